@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned CPU stack (and, with --tlx, .venv-tlx holding fbtriton for the
+# ahead-of-time sm_90 compile test). Safe to re-run: pip skips what is already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check ".[test]"
+# torchrec's metadata requires the 500 MB CUDA fbgemm-gpu; fbgemm-gpu-cpu above provides its ops.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps torchrec==1.8.0
+if [[ ${1:-} == --tlx ]]; then
+  # fbtriton replaces the `triton` module, so it lives in its own venv, used only to compile.
+  python3 -m venv .venv-tlx
+  .venv-tlx/bin/python -m pip install -q --disable-pip-version-check fbtriton==3.7.4 numpy
+fi
+rm -rf build ./*.egg-info

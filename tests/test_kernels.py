@@ -1,0 +1,211 @@
+"""The block attention API: the reference against a naive per-block loop, rotary against its
+formula, the fa2 backend against the reference (CUDA only), and every input/backend error."""
+
+import math
+
+import pytest
+import torch
+
+from kernels import (
+    BackendUnavailableError,
+    Rotary,
+    apply_rotary,
+    available_backends,
+    block_attention,
+    block_attention_reference,
+    block_table,
+    rotary_tables,
+)
+
+RAGGED_LENGTHS = [0, 1, 63, 64, 65, 200]
+
+
+def make_offsets(lengths, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def naive_block_attention(q, k, v, lengths):
+    """A loop over sequences and their 64-token chunks: the definition, written as plainly as possible."""
+    out = torch.empty_like(q)
+    start = 0
+    for length in lengths:
+        for chunk in range(start, start + length, 64):
+            end = min(chunk + 64, start + length)
+            qs, ks, vs = q[chunk:end], k[chunk:end], v[chunk:end]  # [n, H, D]
+            scores = torch.einsum("ihd,jhd->hij", qs, ks) / math.sqrt(q.shape[-1])
+            out[chunk:end] = torch.einsum("hij,jhd->ihd", scores.softmax(-1), vs)
+        start += length
+    return out
+
+
+def rotary_by_formula(x, positions, base):
+    """Rotary written pair by pair from its definition."""
+    out = x.clone()
+    dim = x.shape[-1]
+    for i in range(dim // 2):
+        angle = positions.double() * base ** (-2 * i / dim)
+        c, s = torch.cos(angle)[:, None], torch.sin(angle)[:, None]
+        x0, x1 = x[..., 2 * i], x[..., 2 * i + 1]
+        out[..., 2 * i] = x0 * c - x1 * s
+        out[..., 2 * i + 1] = x0 * s + x1 * c
+    return out
+
+
+def random_qkv(total, heads, dim, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(total, heads, dim, generator=g, dtype=dtype).to(device).requires_grad_() for _ in range(3)]
+
+
+@pytest.mark.parametrize("lengths", [RAGGED_LENGTHS, [64, 64], [5], [0, 0, 130], [129, 0, 1]])
+@pytest.mark.parametrize("heads,dim", [(1, 16), (3, 32)])
+def test_reference_matches_naive_loop_forward_and_gradients(lengths, heads, dim):
+    offsets = make_offsets(lengths)
+    q, k, v = random_qkv(sum(lengths), heads, dim, seed=len(lengths) + dim)
+    out = block_attention(q, k, v, offsets, backend="reference")
+    expected = naive_block_attention(q, k, v, lengths)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    for name, got, want in zip("qkv", grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"d{name}")
+
+
+def test_block_table_cuts_each_sequence_from_its_start():
+    block_start, block_len = block_table(make_offsets(RAGGED_LENGTHS))
+    # sequences start at 0, 0, 1, 64, 128, 193
+    assert block_start.tolist() == [0, 1, 64, 128, 192, 193, 257, 321, 385]
+    assert block_len.tolist() == [1, 63, 64, 64, 1, 64, 64, 64, 8]
+
+
+def test_reference_low_precision_mode_runs_in_input_dtype():
+    offsets = make_offsets([70])
+    q, k, v = (x.detach().half() for x in random_qkv(70, 2, 32))
+    upcast = block_attention_reference(q, k, v, offsets)
+    same_precision = block_attention_reference(q, k, v, offsets, upcast=False)
+    assert upcast.dtype == same_precision.dtype == torch.float16
+    exact = block_attention_reference(q.double(), k.double(), v.double(), offsets)
+    # fp32 math is closer to the fp64 truth than fp16 math; both are close.
+    assert (upcast.double() - exact).abs().max() <= (same_precision.double() - exact).abs().max()
+    torch.testing.assert_close(same_precision.double(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("within_block", [False, True])
+def test_rotary_tables_match_formula(within_block):
+    lengths = [3, 0, 130]
+    offsets = make_offsets(lengths)
+    x = torch.randn(sum(lengths), 2, 8, dtype=torch.float64)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    if within_block:
+        positions = positions % 64
+    cos, sin = rotary_tables(Rotary(base=500.0, within_block=within_block), offsets, x.shape[0], 8)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), rotary_by_formula(x, positions, 500.0), rtol=1e-6, atol=1e-6)
+    # the inverse rotation undoes it
+    torch.testing.assert_close(apply_rotary(apply_rotary(x, cos, sin), cos, sin, inverse=True), x)
+
+
+def test_rotary_given_as_positions_or_tables_agrees():
+    lengths = [10, 70]
+    offsets = make_offsets(lengths)
+    q, k, v = random_qkv(80, 2, 16)
+    positions = torch.randint(0, 1000, (80,))
+    cos, sin = rotary_tables(Rotary(positions=positions), offsets, 80, 16)
+    by_positions = block_attention(q, k, v, offsets, rotary=Rotary(positions=positions, rotate_v=True))
+    by_tables = block_attention(q, k, v, offsets, rotary=Rotary(cos=cos, sin=sin, rotate_v=True))
+    torch.testing.assert_close(by_positions, by_tables)
+    expected = naive_block_attention(
+        rotary_by_formula(q, positions, 10000.0), rotary_by_formula(k, positions, 10000.0),
+        rotary_by_formula(v, positions, 10000.0), lengths,
+    )
+    torch.testing.assert_close(by_positions, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_batch_keeps_gradients_flowing():
+    q, k, v = random_qkv(0, 2, 16)
+    out = block_attention(q, k, v, make_offsets([0, 0]), rotary=Rotary())
+    assert out.shape == (0, 2, 16)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_auto_on_cpu_is_reference():
+    assert available_backends("cpu")[-1] == "reference"
+    q, k, v = random_qkv(65, 1, 16)
+    offsets = make_offsets([65])
+    torch.testing.assert_close(block_attention(q, k, v, offsets), block_attention(q, k, v, offsets, backend="reference"))
+
+
+def _inputs(total=10, heads=2, dim=16, dtype=torch.float32):
+    return [torch.randn(total, heads, dim, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    "offsets, message",
+    [
+        ([1, 10], "offsets must start at 0, got offsets[0] = 1"),
+        ([0, 6, 4, 10], "offsets must not decrease: offsets[1] = 6 > offsets[2] = 4"),
+        ([0, 9], "offsets[-1] = 9 must equal total_tokens = 10"),
+    ],
+)
+def test_bad_offsets_name_the_value(offsets, message):
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        block_attention(q, k, v, torch.tensor(offsets, dtype=torch.int32))
+
+
+def test_bad_tensors_name_the_problem():
+    q, k, v = _inputs()
+    offsets = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k is torch.float16 and q is torch.float32"):
+        block_attention(q, k.half(), v, offsets)
+    with pytest.raises(ValueError, match="last dimension must be contiguous"):
+        block_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, offsets)
+    with pytest.raises(ValueError, match=r"q must be \(total_tokens, heads, head_dim\)"):
+        block_attention(q[0], k[0], v[0], offsets)
+    with pytest.raises(ValueError, match="offsets must be int32"):
+        block_attention(q, k, v, offsets.float())
+    with pytest.raises(ValueError, match="unknown block_attention backend 'flash'"):
+        block_attention(q, k, v, offsets, backend="flash")
+    with pytest.raises(ValueError, match=r"Rotary.cos must have shape \(10, 8\)"):
+        block_attention(q, k, v, offsets, rotary=Rotary(cos=torch.ones(10, 4), sin=torch.ones(10, 4)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without a GPU")
+@pytest.mark.parametrize("backend", ["fa2", "tlx"])
+def test_gpu_backend_on_cpu_raises_actionable_error(backend):
+    q, k, v = _inputs()
+    with pytest.raises(BackendUnavailableError) as error:
+        block_attention(q, k, v, torch.tensor([0, 10], dtype=torch.int32), backend=backend)
+    message = str(error.value)
+    assert f"backend {backend!r} cannot run here" in message
+    assert "CUDA GPU" in message and "To get it:" in message and "Backends that can run on cpu: reference" in message
+    if backend == "tlx":
+        assert "fbtriton==3.7.4" in message and "triton-utlx" in message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fa2 needs a CUDA GPU")
+@pytest.mark.parametrize("rotary", [None, Rotary(), Rotary(rotate_v=True, within_block=True)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_fa2_matches_reference_on_gpu(rotary, dim):
+    lengths = RAGGED_LENGTHS + [1000]
+    offsets = make_offsets(lengths, "cuda")
+    q, k, v = random_qkv(sum(lengths), 4, dim, dtype=torch.bfloat16, device="cuda")
+    grad_out = torch.randn_like(q)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    results = {}
+    for name, inputs, backend, kwargs in [
+        ("fa2", (q, k, v), "fa2", {}),
+        ("exact", exact, "reference", {}),
+    ]:
+        out = block_attention(*inputs, offsets, rotary=rotary, backend=backend)
+        results[name] = (out, *torch.autograd.grad(out, inputs, grad_out.to(out.dtype)))
+    # The bf16 PyTorch reference's error is the yardstick, as in the flash-attention tests.
+    low = [x.detach().requires_grad_() for x in (q, k, v)]
+    low_out = block_attention_reference(*low, offsets, *(rotary_tables(rotary, offsets, q.shape[0], dim) if rotary else (None, None)),
+                                        rotate_v=bool(rotary and rotary.rotate_v), upcast=False)
+    results["bf16_ref"] = (low_out, *torch.autograd.grad(low_out, low, grad_out))
+    for i, name in enumerate(["out", "dq", "dk", "dv"]):
+        err = (results["fa2"][i].double() - results["exact"][i]).abs().max()
+        ref_err = (results["bf16_ref"][i].double() - results["exact"][i]).abs().max()
+        assert err <= 2 * ref_err + 1e-5, f"{name}: fa2 error {err:.3g} vs bf16 reference {ref_err:.3g}"
