@@ -1,0 +1,148 @@
+"""Ahead-of-time compile of every TLX kernel configuration to an sm_90 cubin, no GPU needed.
+
+Runs in a Python with fbtriton (TLX) and without TRITON_INTERPRET. Each configuration is compiled
+with the same signature and specialization a real launch produces: host TMA descriptors mangle
+to `tensordesc<dtype[64, D]>`, pointers from torch's allocator and the token stride H*D are
+16-divisible. `python -m kernels.tlx_aot` prints one line per configuration and exits nonzero if
+any fails to compile.
+"""
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from .tlx_block_attention import HAS_TLX, SM90_MAX_SMEM, _consumer_regs, tlx_config
+
+if HAS_TLX:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .tlx_block_attention import _tlx_block_attn_bwd, _tlx_block_attn_fwd
+
+
+@dataclass(frozen=True)
+class AotConfig:
+    direction: str  # "fwd" or "bwd"
+    head_dim: int
+    rotary: bool
+    rotate_v: bool
+    dtype: str = "bf16"  # triton type string: bf16 or fp16
+
+    @property
+    def name(self) -> str:
+        rot = ("rotary_v" if self.rotate_v else "rotary") if self.rotary else "plain"
+        return f"{self.direction}_d{self.head_dim}_{rot}_{self.dtype}"
+
+
+def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
+    configs = []
+    for direction in ("fwd", "bwd"):
+        for head_dim in (64, 128):
+            for rotary, rotate_v in ((False, False), (True, False), (True, True)):
+                for dtype in dtypes:
+                    configs.append(AotConfig(direction, head_dim, rotary, rotate_v, dtype))
+    return configs
+
+
+def _source(cfg: AotConfig):
+    D = cfg.head_dim
+    tile = f"tensordesc<{cfg.dtype}[64, {D}]>"
+    rot = f"tensordesc<fp32[64, {D // 2}]>"
+    ptr = f"*{cfg.dtype}"
+    tuning = tlx_config(D, cfg.rotary, backward=cfg.direction == "bwd")
+    constexprs = dict(
+        HEAD_DIM=D,
+        ROTARY=cfg.rotary,
+        ROTATE_V=cfg.rotate_v,
+        CONSUMER_REGS=_consumer_regs(tuning["NUM_CONSUMERS"]),
+        **tuning,
+    )
+    if cfg.direction == "fwd":
+        fn = _tlx_block_attn_fwd
+        tiles = ["desc_q", "desc_k", "desc_v"]
+        outs = ["out_ptr"]
+    else:
+        fn = _tlx_block_attn_bwd
+        tiles = ["desc_q", "desc_k", "desc_v", "desc_do"]
+        outs = ["dq_ptr", "dk_ptr", "dv_ptr"]
+    signature = {name: tile for name in tiles}
+    if cfg.rotary:
+        signature.update(desc_cos=rot, desc_sin=rot)
+    else:
+        # A None argument is a constexpr at launch time.
+        signature.update(desc_cos="constexpr", desc_sin="constexpr")
+        constexprs.update(desc_cos=None, desc_sin=None)
+    for name in outs:
+        signature[name] = ptr
+    signature.update(block_start_ptr="*i32", block_len_ptr="*i32", num_items="i32", H="i32", stride_t="i32",
+                     sm_scale="fp32")
+    for name in constexprs:
+        signature.setdefault(name, "constexpr")
+    assert list(signature) == list(fn.arg_names) or set(signature) == set(fn.arg_names), (
+        f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
+    signature = {name: signature[name] for name in fn.arg_names}
+    divisible = [*outs, "block_start_ptr", "block_len_ptr", "stride_t"]
+    attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def compile_config(cfg: AotConfig):
+    """Returns triton's CompiledKernel (asm: ttir, ttgir, llir, ptx, cubin) for sm_90."""
+    if not HAS_TLX:
+        raise RuntimeError("TLX is not installed (needs fbtriton==3.7.4)")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile TLX kernels")
+    return triton.compile(_source(cfg), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+
+
+def compile_all(configs=None) -> dict:
+    """{config name: {"ptx": str, "cubin": bytes, "shared": int, "error": str | None}}."""
+    results = {}
+    for cfg in configs or aot_configs():
+        try:
+            compiled = compile_config(cfg)
+            results[cfg.name] = dict(ptx=compiled.asm["ptx"], cubin=compiled.asm["cubin"],
+                                     shared=compiled.metadata.shared, error=None)
+        except Exception as exc:  # report every configuration, not just the first failure
+            results[cfg.name] = dict(ptx="", cubin=b"", shared=0, error=f"{type(exc).__name__}: {exc}")
+    return results
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="substring filter on config names")
+    parser.add_argument("--dump", default="", help="directory to write <name>.ptx/.cubin into")
+    args = parser.parse_args(argv)
+    failed = 0
+    for cfg in aot_configs():
+        if args.only not in cfg.name:
+            continue
+        t0 = time.perf_counter()
+        res = compile_all([cfg])[cfg.name]
+        dt = time.perf_counter() - t0
+        if res["error"]:
+            failed += 1
+            print(f"{cfg.name}: FAIL ({dt:.1f}s) {res['error'].splitlines()[0] if res['error'] else ''}", flush=True)
+            print(res["error"], file=sys.stderr)
+            continue
+        ptx = res["ptx"]
+        over = res["shared"] > SM90_MAX_SMEM
+        failed += over
+        print(f"{cfg.name}: {'FAIL smem over 227KiB' if over else 'ok'} ({dt:.1f}s) cubin={len(res['cubin'])}B "
+              f"smem={res['shared']}B wgmma={ptx.count('wgmma.mma_async')} "
+              f"tma_load={ptx.count('cp.async.bulk.tensor')} setmaxnreg={ptx.count('setmaxnreg')}", flush=True)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            with open(os.path.join(args.dump, cfg.name + ".ptx"), "w") as f:
+                f.write(ptx)
+            with open(os.path.join(args.dump, cfg.name + ".cubin"), "wb") as f:
+                f.write(res["cubin"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Ahead-of-time compile of the TLX kernels for sm_90, on a machine with no GPU.
+
+The compile runs in a subprocess under $TLX_PYTHON (a venv with fbtriton==3.7.4 and torch), since
+fbtriton replaces the `triton` module and can't share a process with the dev venv's triton. Each
+configuration must produce wgmma + TMA in PTX and HGMMA + UTMALDG in SASS, warp specialization
+(setmaxnreg), and fit in 227 KiB of SMEM: a kernel that silently fell back to mma.sync or plain
+loads fails here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kernels.tlx_aot import aot_configs
+
+REPO = Path(__file__).resolve().parents[1]
+# fbtriton 3.7.4 (TLX_PYTHON) and triton-utlx 3.8.0.post16 on Triton 3.8 (UTLX_PYTHON): each
+# is a python whose `triton` has TLX; scripts/test.sh sets both.
+TLX_DISTRIBUTIONS = ["TLX_PYTHON", "UTLX_PYTHON"]
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, tempfile
+    import triton
+    from kernels.tlx_aot import compile_all
+    from kernels.tlx_block_attention import HAS_TLX
+    assert HAS_TLX, "triton.language.extra.tlx did not import under TLX_PYTHON"
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    summary = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, res in compile_all().items():
+            sass = ""
+            if res["cubin"]:
+                path = os.path.join(tmp, name + ".cubin")
+                with open(path, "wb") as f:
+                    f.write(res["cubin"])
+                sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
+            ptx = res["ptx"]
+            summary[name] = dict(
+                error=res["error"],
+                shared=res["shared"],
+                target=next((l.split()[1] for l in ptx.splitlines() if l.startswith(".target")), ""),
+                ptx_wgmma=ptx.count("wgmma.mma_async"),
+                ptx_tma=ptx.count("cp.async.bulk.tensor"),
+                ptx_setmaxnreg=ptx.count("setmaxnreg"),
+                ptx_mma_sync=ptx.count("mma.sync"),
+                sass_hgmma=sass.count("HGMMA"),
+                sass_utmaldg=sass.count("UTMALDG"),
+            )
+    json.dump(summary, sys.stdout)
+    """
+)
+
+
+@pytest.fixture(scope="module", params=TLX_DISTRIBUTIONS)
+def aot_summary(request):
+    tlx_python = os.environ.get(request.param)
+    if not tlx_python:
+        pytest.skip(f"{request.param} is not set (path to a python whose triton has TLX)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [tlx_python, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800
+    )
+    assert proc.returncode == 0, f"AOT subprocess failed:\n{proc.stderr[-8000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [cfg.name for cfg in aot_configs()])
+def test_tlx_kernel_compiles_to_sm90_wgmma_tma(aot_summary, name):
+    res = aot_summary[name]
+    assert res["error"] is None, res["error"]
+    assert res["target"].startswith("sm_90"), res["target"]
+    assert res["ptx_wgmma"] > 0 and res["sass_hgmma"] > 0, f"no wgmma/HGMMA: {res}"
+    assert res["ptx_tma"] > 0 and res["sass_utmaldg"] > 0, f"no TMA loads: {res}"
+    assert res["ptx_setmaxnreg"] > 0, f"not warp-specialized (no setmaxnreg): {res}"
+    assert res["ptx_mma_sync"] == 0, f"fell back to mma.sync: {res}"
+    assert 0 < res["shared"] <= 232448, f"shared memory {res['shared']} B exceeds sm_90's 227 KiB"
+
+
+def test_tlx_module_imports_without_tlx():
+    """The dev venv's plain triton has no TLX: the module must import, report why, touch no GPU."""
+    import torch
+
+    from kernels import tlx_block_attention as m
+
+    if m.HAS_TLX:
+        pytest.skip("this interpreter has TLX installed")
+    reason = m.tlx_unsupported_reason(torch.empty(2, 1, 64, dtype=torch.bfloat16))
+    assert reason is not None and "fbtriton==3.7.4" in reason
+    assert not torch.cuda.is_initialized()
+    with pytest.raises(RuntimeError, match="cannot run"):
+        m.block_attention_tlx(*(torch.zeros(1, 1, 64, dtype=torch.bfloat16) for _ in range(3)),
+                              torch.tensor([0, 1], dtype=torch.int32))
