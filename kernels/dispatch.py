@@ -168,15 +168,18 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
         raise ValueError(f"offsets is on {offsets.device} and q is on {q.device}")
     if torch.compiler.is_compiling():
         return  # value checks would force a host sync and a graph break inside compiled models
+    # One host read for the common, valid case; the details are gathered only to report an error.
+    steps = offsets[1:] - offsets[:-1]
+    bad = (offsets[0] != 0) | (offsets[-1] != q.shape[0]) | (steps < 0).any()
+    if not bool(bad):
+        return
     first, last = int(offsets[0]), int(offsets[-1])
     if first != 0:
         raise ValueError(f"offsets must start at 0, got offsets[0] = {first}")
-    steps = offsets[1:] - offsets[:-1]
-    if offsets.numel() > 1 and bool((steps < 0).any()):
+    if bool((steps < 0).any()):
         i = int(torch.nonzero(steps < 0)[0])
         raise ValueError(f"offsets must not decrease: offsets[{i}] = {int(offsets[i])} > offsets[{i + 1}] = {int(offsets[i + 1])}")
-    if last != q.shape[0]:
-        raise ValueError(f"offsets[-1] = {last} must equal total_tokens = {q.shape[0]}")
+    raise ValueError(f"offsets[-1] = {last} must equal total_tokens = {q.shape[0]}")
 
 
 def block_attention(

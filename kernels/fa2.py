@@ -37,7 +37,7 @@ def fa2_unsupported_reason(q: torch.Tensor) -> str | None:
 def _fa2_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    cu_seqlens = block_cu_seqlens(offsets)
+    cu_seqlens = block_cu_seqlens(offsets, q.shape[0])
     out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, BLOCK_SIZE, BLOCK_SIZE, 0.0, False, False, scale=1 / math.sqrt(q.shape[-1])
     )
@@ -66,7 +66,7 @@ def _fa2_backward(
     unused: torch.Tensor,
     offsets: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cu_seqlens = block_cu_seqlens(offsets)
+    cu_seqlens = block_cu_seqlens(offsets, q.shape[0])
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, BLOCK_SIZE, BLOCK_SIZE, 0.0, False,
         rng_state, unused, scale=1 / math.sqrt(q.shape[-1]),
@@ -100,7 +100,7 @@ def block_attention_fa2(q, k, v, offsets, cos=None, sin=None, rotate_v=False):
         if rotate_v:
             v = apply_rotary(v, cos, sin)
     if HAS_FLASH_ATTN:
-        cu_seqlens = block_cu_seqlens(offsets)
+        cu_seqlens = block_cu_seqlens(offsets, q.shape[0])
         return flash_attn_varlen_func(
             q, k, v, cu_seqlens, cu_seqlens, BLOCK_SIZE, BLOCK_SIZE, softmax_scale=1 / math.sqrt(q.shape[-1])
         )

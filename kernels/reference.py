@@ -37,7 +37,9 @@ def block_attention_reference(
     if total_tokens == 0:
         return out.to(q.dtype)
 
-    block_start, block_len = block_table(offsets)
+    block_start, block_len = block_table(offsets, total_tokens)
+    real = block_len > 0  # the table's unused tail rows own no tokens
+    block_start, block_len = block_start[real], block_len[real]
     lane = torch.arange(BLOCK_SIZE, device=q.device)
     valid = lane[None, :] < block_len[:, None]  # [num_blocks, 64]
     # Padded lanes point at the block's first token; their scores are masked and outputs dropped.

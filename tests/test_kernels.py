@@ -73,10 +73,21 @@ def test_reference_matches_naive_loop_forward_and_gradients(lengths, heads, dim)
 
 
 def test_block_table_cuts_each_sequence_from_its_start():
-    block_start, block_len = block_table(make_offsets(RAGGED_LENGTHS))
-    # sequences start at 0, 0, 1, 64, 128, 193
-    assert block_start.tolist() == [0, 1, 64, 128, 192, 193, 257, 321, 385]
-    assert block_len.tolist() == [1, 63, 64, 64, 1, 64, 64, 64, 8]
+    block_start, block_len = block_table(make_offsets(RAGGED_LENGTHS), 393)
+    # sequences start at 0, 0, 1, 64, 128, 193; the fixed-size table ends in unused empty rows
+    used = 9
+    assert block_start.tolist()[:used] == [0, 1, 64, 128, 192, 193, 257, 321, 385]
+    assert block_len.tolist()[:used] == [1, 63, 64, 64, 1, 64, 64, 64, 8]
+    assert block_len.numel() == (393 + 6 * 63) // 64
+    assert set(block_len.tolist()[used:]) == {0} and set(block_start.tolist()[used:]) == {393}
+
+
+@pytest.mark.parametrize("lengths", [[], [0], [64] * 5, [1] * 7, [200, 0, 64, 65]])
+def test_block_table_covers_every_token_once(lengths):
+    total = sum(lengths)
+    block_start, block_len = block_table(make_offsets(lengths), total)
+    covered = torch.cat([torch.arange(s, s + n) for s, n in zip(block_start.tolist(), block_len.tolist())] + [torch.zeros(0, dtype=torch.long)])
+    assert covered.tolist() == list(range(total))
 
 
 def test_reference_low_precision_mode_runs_in_input_dtype():
