@@ -6,7 +6,8 @@
 #     bash benchmarks/gpu_session.sh env kernels triton tlx bench_quick
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD"
+# In-process inductor compiles: its compile subprocesses failed under fbtriton on torch 2.11 (first H200 run).
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD" TORCHINDUCTOR_COMPILE_THREADS=1
 summary=()
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2

@@ -1,0 +1,1 @@
+"""Benchmarks, run from the repository root: `python -m benchmarks.<name>`."""
