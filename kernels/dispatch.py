@@ -5,6 +5,7 @@ lazily, so importing `kernels` never touches a GPU driver or needs Triton/TLX to
 """
 
 import importlib
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -28,7 +29,11 @@ class Backend:
     needs: Callable[[torch.device], str | None]  # why this device/stack can't run it, or None
 
     def load(self, attribute: str):
-        return getattr(importlib.import_module(f"kernels.{self.module}"), attribute)
+        # torch.compile cannot trace import_module; once check_backend has imported the module
+        # (outside any compiled region), the sys.modules lookup is all that runs under compile.
+        name = f"kernels.{self.module}"
+        module = sys.modules.get(name) or importlib.import_module(name)
+        return getattr(module, attribute)
 
 
 def _needs_nothing(device: torch.device) -> str | None:
@@ -104,15 +109,16 @@ def available_backends(device: torch.device | str) -> list[str]:
 
 def check_backend(name: str, device: torch.device | str) -> None:
     """Raises BackendUnavailableError, with what is missing and how to get it, if `name` can't run."""
-    if name == "auto":
-        return
-    reason = backend_unavailable_reason(name, device)
-    if reason is not None:
-        raise BackendUnavailableError(
-            f"block_attention backend {name!r} cannot run here: {reason}. "
-            f"To get it: {_BACKENDS[name].how_to_get}. "
-            f"Backends that can run on {torch.device(device).type}: {', '.join(available_backends(device))}."
-        )
+    names = available_backends(device) if name == "auto" else [name]
+    for candidate in names:
+        reason = backend_unavailable_reason(candidate, device)
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"block_attention backend {candidate!r} cannot run here: {reason}. "
+                f"To get it: {_BACKENDS[candidate].how_to_get}. "
+                f"Backends that can run on {torch.device(device).type}: {', '.join(available_backends(device))}."
+            )
+        _BACKENDS[candidate].load(_BACKENDS[candidate].function)  # imports it before any compile
 
 
 def _unsupported_reason(backend: Backend, q: torch.Tensor) -> str | None:

@@ -190,7 +190,8 @@ def test_gpu_backend_on_cpu_raises_actionable_error(backend):
         block_attention(q, k, v, torch.tensor([0, 10], dtype=torch.int32), backend=backend)
     message = str(error.value)
     assert f"backend {backend!r} cannot run here" in message
-    assert "CUDA GPU" in message and "To get it:" in message and "Backends that can run on cpu: reference" in message
+    assert "CUDA GPU" in message and "To get it:" in message
+    assert "reference" in message.split("Backends that can run on cpu: ")[1]
     if backend == "tlx":
         assert "fbtriton==3.7.4" in message and "triton-utlx" in message
 
