@@ -1,0 +1,77 @@
+"""Layout of a prepared dataset folder, written atomically and read with `datasets`.
+
+    <folder>/meta.json                     schema and how the data was made
+    <folder>/train/part-00000.parquet ...
+    <folder>/validation/part-00000.parquet ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data.schema import FeatureSchema
+
+SPLITS = ("train", "validation")
+META_FILE = "meta.json"
+
+
+def keyed_folder(root: str | Path, name: str, key: dict) -> Path:
+    """A cache subfolder per generator configuration, so different configs never share files."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(root) / f"{name}-{digest}"
+
+
+def staging_folder(folder: Path) -> Path:
+    """A sibling folder to build into; publish_folder() renames it into place when complete."""
+    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    for split in SPLITS:
+        (staging / split).mkdir(parents=True)
+    return staging
+
+
+def publish_folder(staging: Path, folder: Path) -> None:
+    """Atomic on one filesystem: readers see either no folder or a complete one."""
+    try:
+        staging.rename(folder)
+    except OSError:
+        if not (folder / META_FILE).exists():
+            raise
+        shutil.rmtree(staging)  # another process published the same content first
+
+
+def shard_path(staging: Path, split: str, index: int) -> Path:
+    return staging / split / f"part-{index:05d}.parquet"
+
+
+def write_shard(table: pa.Table, path: Path) -> None:
+    pq.write_table(table, path, row_group_size=64 * 1024)
+
+
+def write_meta(staging: Path, schema: FeatureSchema, **details) -> None:
+    (staging / META_FILE).write_text(json.dumps({"schema": schema.to_dict(), **details}, indent=2) + "\n")
+
+
+def read_meta(folder: Path) -> dict:
+    path = Path(folder) / META_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: {folder} is not a prepared dataset folder")
+    return json.loads(path.read_text())
+
+
+def load_split(folder: Path, split: str) -> datasets.Dataset:
+    """Memory-mapped Arrow dataset of one split; works offline (HF_DATASETS_OFFLINE=1)."""
+    files = sorted(str(path) for path in (Path(folder) / split).glob("*.parquet"))
+    if not files:
+        raise FileNotFoundError(f"no parquet files in {Path(folder) / split}")
+    return datasets.load_dataset(
+        "parquet", data_files={split: files}, split=split, cache_dir=str(Path(folder) / ".hf_cache")
+    )

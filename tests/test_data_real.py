@@ -1,0 +1,256 @@
+"""Criteo TSV preparation and MovieLens-100K preparation (on a made-up fixture)."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.criteo import CATEGORICAL_NAMES, DENSE_NAMES, criteo_schema, parse_lines, prepare_criteo
+from data.datamodule import CTRDataModule
+from data.movielens import AGE_BUCKET_EDGES, GENRES, OCCUPATIONS, MovieLensConfig, build_samples, ensure_movielens
+from data.prepare import main as prepare_main
+from data.schema import LABEL
+from data.storage import load_split, read_meta
+
+FIXTURE = Path(__file__).parent / "fixtures" / "ml-100k-tiny"
+TABLE_SIZE = 1000
+
+
+def criteo_line(label="1", dense=None, categorical=None) -> str:
+    dense = ["3"] * 13 if dense is None else dense
+    categorical = ["68fd1e64"] * 26 if categorical is None else categorical
+    return "\t".join([label, *dense, *categorical])
+
+
+def random_criteo_lines(count: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(count):
+        dense = [
+            "" if rng.random() < 0.2 else str(int(rng.integers(-3, 10**int(rng.integers(1, 7))))) for _ in range(13)
+        ]
+        categorical = ["" if rng.random() < 0.2 else f"{int(rng.integers(0, 2**32)):08x}" for _ in range(26)]
+        lines.append(criteo_line(str(int(rng.integers(0, 2))), dense, categorical))
+    return lines
+
+
+def reference_row(line: str) -> dict:
+    """Straightforward per-field parse, to check the column-wise parser against."""
+    fields = line.split("\t")
+    row = {LABEL: float(fields[0])}
+    for name, text in zip(DENSE_NAMES, fields[1:14]):
+        value = int(text) if text else 0
+        row[name] = math.copysign(math.log1p(abs(value)), value) if value else 0.0
+    for name, text in zip(CATEGORICAL_NAMES, fields[14:]):
+        row[name] = 1 + int(text, 16) % (TABLE_SIZE - 1) if text else 0
+    return row
+
+
+def test_criteo_parser_matches_a_per_field_reference():
+    lines = random_criteo_lines(300, seed=0)
+    lines.append(criteo_line("0", ["-2", "", "-1", "0"] + [""] * 9, ["FFFFFFFFFFFFFFFF", "0", "A"] + [""] * 23))
+    encoded = [(line + "\n").encode() for line in lines]
+    rows, line_numbers, malformed = parse_lines(encoded, 11, criteo_schema(TABLE_SIZE))
+    assert malformed == [] and line_numbers.tolist() == list(range(11, 11 + len(lines)))
+    assert rows.schema.equals(criteo_schema(TABLE_SIZE).features().arrow_schema, check_metadata=False)
+    parsed = rows.to_pylist()
+    for line, row in zip(lines, parsed):
+        expected = reference_row(line)
+        assert row.keys() == expected.keys()
+        for name, value in expected.items():
+            assert row[name] == pytest.approx(value, rel=1e-6), (name, line)
+    last = parsed[-1]
+    assert last["I1"] == pytest.approx(-math.log(3)) and last["I2"] == 0.0 and last["I4"] == 0.0
+    assert last["C1"] == 1 + (2**64 - 1) % (TABLE_SIZE - 1) and last["C2"] == 1 and last["C3"] == 1 + 10
+    assert last["C4"] == 0
+
+    only_bad = [criteo_line(label="x").encode(), b"too\tfew\n"]
+    rows, line_numbers, malformed = parse_lines(only_bad, 1, criteo_schema(TABLE_SIZE))
+    assert rows.num_rows == 0 and line_numbers.size == 0 and [m.line_number for m in malformed] == [1, 2]
+
+
+MALFORMED = {
+    3: (criteo_line(dense=["1"] * 12), "expected 40 tab-separated fields, got 39"),
+    5: (criteo_line(label="2"), "column label value '2' is label is not 0 or 1"),
+    6: (criteo_line(dense=["1"] * 12 + ["1.5"]), "column I13 value '1.5' is not an integer"),
+    8: (criteo_line(dense=["x"] + [""] * 12), "column I1 value 'x' is not an integer"),
+    9: (criteo_line(categorical=["zz"] + [""] * 25), "column C1 value 'zz' is not a hex hash"),
+    10: (criteo_line(categorical=[""] * 25 + ["1" * 17]), "column C26 value '11111111111111111' is not a hex hash"),
+    12: ("", "expected 40 tab-separated fields, got 1"),
+    13: (criteo_line(label="1\r0"), "line break inside the line"),
+}
+
+
+def write_criteo_file(path: Path, good_count: int = 20) -> tuple[list[str], dict[int, str]]:
+    """Good lines with the MALFORMED ones placed at their line numbers; returns (all lines, good by number)."""
+    good = iter(random_criteo_lines(good_count, seed=1))
+    lines = []
+    total = good_count + len(MALFORMED)
+    for number in range(1, total + 1):
+        lines.append(MALFORMED[number][0] if number in MALFORMED else next(good))
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", newline="") as out:
+        out.write("\r\n".join(lines[:4]) + "\r\n" + "\n".join(lines[4:]))  # mixed line ends, no final newline
+    return lines, {n: line for n, line in enumerate(lines, start=1) if n not in MALFORMED}
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".tsv.gz"])
+def test_prepare_criteo_skips_and_reports_malformed_lines(tmp_path, suffix, caplog):
+    source = tmp_path / f"day{suffix}"
+    lines, good = write_criteo_file(source)
+    out = tmp_path / "prepared"
+    caplog.set_level("WARNING")
+    summary = prepare_criteo(source, out, table_size=TABLE_SIZE, shard_rows=7, val_fraction=0.25, chunk_lines=4)
+
+    assert summary.lines_read == len(lines) == 28
+    assert summary.malformed_count == len(MALFORMED)
+    reported = summary.first_malformed
+    assert [item.line_number for item in reported] == sorted(MALFORMED)
+    for item in reported:
+        assert MALFORMED[item.line_number][1] in item.reason
+    assert "line 5: column label value '2'" in caplog.text  # logged as it happens, with the line number
+
+    # The last quarter of the lines (22..28) is validation; malformed ones are simply absent.
+    assert summary.rows_written == {"train": sum(n < 22 for n in good), "validation": sum(n >= 22 for n in good)}
+    assert sorted(path.name for path in (out / "train").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    train = load_split(out, "train").to_list()
+    validation = load_split(out, "validation").to_list()
+    expected = [reference_row(good[n]) for n in sorted(good)]
+    for row, reference in zip(train + validation, expected, strict=True):
+        assert row == pytest.approx(reference, rel=1e-6)
+    meta = read_meta(out)
+    assert meta["summary"]["malformed_count"] == len(MALFORMED) and meta["table_size"] == TABLE_SIZE
+    assert not [path for path in tmp_path.iterdir() if path.name.startswith(".")]  # no staging left
+
+
+def test_prepare_criteo_strict_stops_at_the_first_malformed_line(tmp_path):
+    source = tmp_path / "day.tsv"
+    write_criteo_file(source)
+    with pytest.raises(ValueError, match=r"day.tsv: malformed line 3: expected 40 tab-separated fields, got 39"):
+        prepare_criteo(source, tmp_path / "prepared", table_size=TABLE_SIZE, strict=True, chunk_lines=4)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["day.tsv"]  # nothing half-written
+
+
+def test_prepared_criteo_trains_through_the_datamodule(tmp_path, capsys):
+    source = tmp_path / "day.tsv"
+    source.write_text("\n".join(random_criteo_lines(50, seed=2)) + "\n")
+    out = tmp_path / "criteo"
+    assert prepare_main(["criteo", "--input", str(source), "--out", str(out), "--table-size", str(TABLE_SIZE)]) == 0
+    assert f"data.data_dir={out}" in capsys.readouterr().out
+
+    module = CTRDataModule(dataset="criteo", data_dir=str(out), vocab_size=TABLE_SIZE, num_train=0, num_val=0,
+                           batch_size=16)  # fmt: skip
+    module.prepare_data()
+    module.setup("fit")
+    batches = list(module.train_dataloader())
+    assert sum(batch.batch_size for batch in batches) == 45
+    assert batches[0].dense.shape == (16, 13) and batches[0].sequence.keys() == []
+    assert batches[0].sparse.values().max() < TABLE_SIZE
+
+    capped = CTRDataModule(dataset="criteo", data_dir=str(out), vocab_size=TABLE_SIZE, num_train=10, num_val=0)
+    capped.setup("fit")
+    assert len(capped.splits["train"]) == 10
+
+    wrong_size = CTRDataModule(dataset="criteo", data_dir=str(out), vocab_size=TABLE_SIZE * 2)
+    with pytest.raises(ValueError, match="re-prepare the data or change the arguments"):
+        wrong_size.setup("fit")
+    with pytest.raises(FileExistsError, match="already exists"):
+        prepare_criteo(source, out, table_size=TABLE_SIZE)
+
+
+@pytest.fixture
+def movielens_root(tmp_path) -> Path:
+    shutil.copytree(FIXTURE, tmp_path / "raw" / "ml-100k")
+    return tmp_path
+
+
+def read_fixture_interactions() -> dict[tuple[int, int], tuple[int, int]]:
+    """(user, item) -> (rating, timestamp); each pair occurs once, as in MovieLens."""
+    lines = (FIXTURE / "ml-100k.inter").read_text().splitlines()[1:]
+    interactions = {}
+    for line in lines:
+        user, item, rating, timestamp = (int(float(field)) for field in line.split("\t"))
+        assert (user, item) not in interactions
+        interactions[(user, item)] = (rating, timestamp)
+    return interactions
+
+
+def test_movielens_history_holds_only_strictly_earlier_items(movielens_root):
+    interactions = read_fixture_interactions()
+    by_user: dict[int, list[tuple[int, int]]] = {}
+    for (user, item), (_, timestamp) in interactions.items():
+        by_user.setdefault(user, []).append((timestamp, item))
+    timestamps_per_user = [sorted(t for t, _ in events) for events in by_user.values()]
+    assert any(len(set(ts)) < len(ts) for ts in timestamps_per_user), "fixture must contain same-second ratings"
+
+    for max_len in (256, 3):
+        train, validation = build_samples(movielens_root / "raw" / "ml-100k", MovieLensConfig(max_history_len=max_len))
+        samples = train.to_pylist() + validation.to_pylist()
+        assert len(samples) == len(interactions)
+        for sample in samples:
+            rating, timestamp = interactions[(sample["user"], sample["item"])]
+            assert sample[LABEL] == float(rating >= 4)
+            history_times = [interactions[(sample["user"], item)][1] for item in sample["history"]]
+            assert all(t < timestamp for t in history_times)
+            assert history_times == sorted(history_times)  # oldest first
+            earlier = sorted((t, item) for t, item in by_user[sample["user"]] if t < timestamp)
+            assert len(sample["history"]) == min(len(earlier), max_len)
+            assert set(sample["history"]) <= {item for _, item in earlier[-max_len:]}
+            assert sample["user_prior_count"] == pytest.approx(math.log1p(len(earlier)))
+
+        train_times = [interactions[(row["user"], row["item"])][1] for row in train.to_pylist()]
+        validation_times = [interactions[(row["user"], row["item"])][1] for row in validation.to_pylist()]
+        assert max(train_times) < min(validation_times)
+        assert 0.1 < len(validation_times) / len(samples) < 0.35
+
+
+def test_movielens_side_features_come_from_the_item_and_user_files(movielens_root):
+    train, _ = build_samples(movielens_root / "raw" / "ml-100k", MovieLensConfig())
+    items = {
+        int(f[0]): f for f in (line.split("\t") for line in (FIXTURE / "ml-100k.item").read_text().splitlines()[1:])
+    }
+    users = {
+        int(f[0]): f for f in (line.split("\t") for line in (FIXTURE / "ml-100k.user").read_text().splitlines()[1:])
+    }
+    for row in train.to_pylist():
+        item, user = items[row["item"]], users[row["user"]]
+        assert GENRES[row["genre"]] == item[3].split(" ")[0]
+        assert OCCUPATIONS[row["occupation"]] == user[3]
+        assert ("M", "F")[row["gender"]] == user[2]
+        assert row["age_bucket"] == sum(int(user[1]) >= edge for edge in AGE_BUCKET_EDGES)
+        if item[2] == "unk":
+            assert row["movie_age"] == 0.0
+
+
+def test_movielens_prepare_command_and_datamodule(movielens_root, capsys):
+    assert prepare_main(["movielens100k", "--data-dir", str(movielens_root), "--max-history-len", "8"]) == 0
+    assert "prepared" in capsys.readouterr().out
+    module = CTRDataModule(dataset="movielens100k", data_dir=str(movielens_root), max_history_len=8, num_train=0,
+                           num_val=0, batch_size=16)  # fmt: skip
+    module.prepare_data()  # finds the prepared folder; no download
+    module.setup("fit")
+    batch = next(iter(module.train_dataloader()))
+    assert batch.sparse.keys() == ["user", "item", "genre", "occupation", "age_bucket", "gender"]
+    assert batch.sequence.keys() == ["history"] and int(batch.sequence.lengths().max()) <= 8
+    total = sum(b.batch_size for b in module.train_dataloader()) + sum(b.batch_size for b in module.val_dataloader())
+    assert total == len(read_fixture_interactions())
+
+
+def test_movielens_bad_raw_value_names_file_and_line(movielens_root):
+    user_file = movielens_root / "raw" / "ml-100k" / "ml-100k.user"
+    lines = user_file.read_text().splitlines()
+    lines[3] = lines[3].replace(lines[3].split("\t")[3], "astronaut")
+    user_file.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"ml-100k.user:4: column 'occupation' value 'astronaut' not in"):
+        ensure_movielens(MovieLensConfig(), movielens_root)
+
+
+def test_criteo_without_prepared_data_says_how_to_prepare(tmp_path):
+    module = CTRDataModule(dataset="criteo", data_dir=str(tmp_path / "missing"), vocab_size=TABLE_SIZE)
+    with pytest.raises(FileNotFoundError, match=r"run `python -m data.prepare criteo --input <tsv> --out .*missing"):
+        module.prepare_data()
