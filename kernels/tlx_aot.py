@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .tlx_block_attention import HAS_TLX, SM90_MAX_SMEM, _consumer_regs, tlx_config
+from .tlx_block_attention import HAS_TLX, SM90_MAX_SMEM, smem_bytes, tlx_config
 
 if HAS_TLX:
     import triton
@@ -22,6 +22,23 @@ if HAS_TLX:
     from .tlx_block_attention import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
 
+# Tuning variants benchmarks/sweep_tlx.py times on the GPU: name -> (fwd knobs, bwd knobs), as
+# kernels.tlx_block_attention.tuning_overrides takes them ({} = the production default; a knob
+# value may be a {head_dim: value} dict). Each must compile here, so the sweep never finds out on
+# the GPU that a variant doesn't build.
+TUNING_VARIANTS: dict[str, tuple[dict, dict]] = {
+    "default": ({}, {}),
+    # The first H200 run's kernels: shallow rings, O stored from registers.
+    "v1": (dict(NUM_STAGES={64: 4, 128: 2}, O_TMA_STORE=False), dict(NUM_STAGES=2)),
+    "fwd_reg_store": (dict(O_TMA_STORE=False), {}),
+    "fwd_half_ring": (dict(NUM_STAGES={64: 4, 128: 2}), {}),
+    "fwd_1_consumer": (dict(NUM_CONSUMERS=1), {}),
+    "fwd_1_consumer_reg_store": (dict(NUM_CONSUMERS=1, O_TMA_STORE=False), {}),
+    "bwd_1_consumer": ({}, dict(NUM_CONSUMERS=1)),
+    "bwd_2_stages": ({}, dict(NUM_STAGES=2)),
+}
+
+
 @dataclass(frozen=True)
 class AotConfig:
     direction: str  # "fwd" or "bwd"
@@ -29,20 +46,38 @@ class AotConfig:
     rotary: bool
     rotate_v: bool
     dtype: str = "bf16"  # triton type string: bf16 or fp16
+    variant: str = "default"  # a TUNING_VARIANTS key
+
+    @property
+    def knobs(self) -> dict:
+        fwd, bwd = TUNING_VARIANTS[self.variant]
+        return fwd if self.direction == "fwd" else bwd
 
     @property
     def name(self) -> str:
         rot = ("rotary_v" if self.rotate_v else "rotary") if self.rotary else "plain"
-        return f"{self.direction}_d{self.head_dim}_{rot}_{self.dtype}"
+        suffix = "" if self.variant == "default" else f"@{self.variant}"
+        return f"{self.direction}_d{self.head_dim}_{rot}_{self.dtype}{suffix}"
 
 
 def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
+    """Every production configuration, plus each tuning variant's kernels (bf16, no rotary: the
+    sweep's shapes) that differ from a kernel already in the list."""
     configs = []
     for direction in ("fwd", "bwd"):
         for head_dim in (64, 128):
             for rotary, rotate_v in ((False, False), (True, False), (True, True)):
                 for dtype in dtypes:
                     configs.append(AotConfig(direction, head_dim, rotary, rotate_v, dtype))
+    seen = set()
+    for variant in TUNING_VARIANTS:
+        for direction in ("fwd", "bwd"):
+            for head_dim in (64, 128):
+                cfg = AotConfig(direction, head_dim, False, False, "bf16", variant)
+                key = (direction, head_dim, tuple(sorted(tuning_of(cfg).items())))
+                if key not in seen and variant != "default":
+                    configs.append(cfg)
+                seen.add(key)
     return configs
 
 
@@ -51,17 +86,11 @@ def _source(cfg: AotConfig):
     tile = f"tensordesc<{cfg.dtype}[64, {D}]>"
     rot = f"tensordesc<fp32[64, {D // 2}]>"
     ptr = f"*{cfg.dtype}"
-    tuning = tlx_config(D, cfg.rotary, backward=cfg.direction == "bwd")
-    constexprs = dict(
-        HEAD_DIM=D,
-        ROTARY=cfg.rotary,
-        ROTATE_V=cfg.rotate_v,
-        CONSUMER_REGS=_consumer_regs(tuning["NUM_CONSUMERS"]),
-        **tuning,
-    )
+    tuning = tlx_config(D, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)
+    constexprs = dict(HEAD_DIM=D, ROTARY=cfg.rotary, ROTATE_V=cfg.rotate_v, **tuning)
     if cfg.direction == "fwd":
         fn = _tlx_block_attn_fwd
-        tiles = ["desc_q", "desc_k", "desc_v"]
+        tiles = ["desc_q", "desc_k", "desc_v", "desc_o"]
         outs = ["out_ptr"]
     else:
         fn = _tlx_block_attn_bwd
@@ -76,14 +105,15 @@ def _source(cfg: AotConfig):
         constexprs.update(desc_cos=None, desc_sin=None)
     for name in outs:
         signature[name] = ptr
-    signature.update(block_start_ptr="*i32", block_len_ptr="*i32", num_items="i32", H="i32", stride_t="i32",
+    # num_blocks is torch.count_nonzero's int64 scalar.
+    signature.update(block_start_ptr="*i32", block_len_ptr="*i32", num_blocks_ptr="*i64", H="i32", stride_t="i32",
                      sm_scale="fp32")
     for name in constexprs:
         signature.setdefault(name, "constexpr")
-    assert list(signature) == list(fn.arg_names) or set(signature) == set(fn.arg_names), (
+    assert set(signature) == set(fn.arg_names), (
         f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
     signature = {name: signature[name] for name in fn.arg_names}
-    divisible = [*outs, "block_start_ptr", "block_len_ptr", "stride_t"]
+    divisible = [*outs, "block_start_ptr", "block_len_ptr", "num_blocks_ptr", "stride_t"]
     attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
@@ -97,16 +127,25 @@ def compile_config(cfg: AotConfig):
     return triton.compile(_source(cfg), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
 
 
+def tuning_of(cfg: AotConfig) -> dict:
+    """The constexpr knobs a launch of this configuration uses, and their SMEM estimate."""
+    tuning = tlx_config(cfg.head_dim, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)
+    estimate = smem_bytes(cfg.head_dim, cfg.rotary, cfg.direction == "bwd", tuning["NUM_STAGES"],
+                          tuning["NUM_CONSUMERS"], tuning.get("O_TMA_STORE", False))
+    return dict(tuning, smem_estimate=estimate)
+
+
 def compile_all(configs=None) -> dict:
-    """{config name: {"ptx": str, "cubin": bytes, "shared": int, "error": str | None}}."""
+    """{config name: {"ptx": str, "cubin": bytes, "shared": int, "tuning": dict, "error": str | None}}."""
     results = {}
     for cfg in configs or aot_configs():
         try:
+            tuning = tuning_of(cfg)
             compiled = compile_config(cfg)
             results[cfg.name] = dict(ptx=compiled.asm["ptx"], cubin=compiled.asm["cubin"],
-                                     shared=compiled.metadata.shared, error=None)
+                                     shared=compiled.metadata.shared, tuning=tuning, error=None)
         except Exception as exc:  # report every configuration, not just the first failure
-            results[cfg.name] = dict(ptx="", cubin=b"", shared=0, error=f"{type(exc).__name__}: {exc}")
+            results[cfg.name] = dict(ptx="", cubin=b"", shared=0, tuning={}, error=f"{type(exc).__name__}: {exc}")
     return results
 
 
@@ -133,8 +172,8 @@ def main(argv=None) -> int:
         over = res["shared"] > SM90_MAX_SMEM
         failed += over
         print(f"{cfg.name}: {'FAIL smem over 227KiB' if over else 'ok'} ({dt:.1f}s) cubin={len(res['cubin'])}B "
-              f"smem={res['shared']}B wgmma={ptx.count('wgmma.mma_async')} "
-              f"tma_load={ptx.count('cp.async.bulk.tensor')} setmaxnreg={ptx.count('setmaxnreg')}", flush=True)
+              f"smem={res['shared']}B (estimate {res['tuning']['smem_estimate']}B) {res['tuning']} wgmma={ptx.count('wgmma.mma_async')} "
+              f"tma={ptx.count('cp.async.bulk.tensor')} tma_store={ptx.count('cp.async.bulk.tensor.2d.global.shared')} setmaxnreg={ptx.count('setmaxnreg')}", flush=True)
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             with open(os.path.join(args.dump, cfg.name + ".ptx"), "w") as f:

@@ -8,18 +8,21 @@ Invariants every kernel here relies on:
 - A block is BLOCK=64 tokens from its sequence's start (kernels.blocks.block_table); only the last
   block of a sequence is partial (len in 1..64). Its TMA tile runs into the next sequence (or TMA's
   zero fill past T): keys >= len are masked out of the softmax, query rows >= len are zeroed out
-  of every gradient product, and every global store is a masked tl.store (never TMA), so nothing
-  outside the block is read into a result or written.
-- Work item = (block, head); a persistent grid of min(#SMs, #items) programs walks items
-  pid, pid + nprog, ... One producer warpgroup streams the item's tiles through a NUM_STAGES ring
-  of SMEM slots (full/empty mbarrier pair per slot); NUM_CONSUMERS consumer warpgroups take items
-  round-robin (item j -> consumer j % NUM_CONSUMERS, slot j % NUM_STAGES). NUM_STAGES is a
+  of every gradient product, and a partial block is stored by a masked tl.store, so nothing
+  outside the block is read into a result or written. Only full blocks may be stored by TMA.
+- The block table has a fixed number of rows (sync-free); the real blocks come first and
+  num_blocks (a device scalar every partition reads) says how many, so unused rows cost nothing.
+- Work item = (block, head); a persistent grid of min(#SMs, #rows * H) programs walks items
+  pid, pid + nprog, ... below num_blocks * H. One producer warpgroup streams the item's tiles
+  through a NUM_STAGES ring of SMEM slots (full/empty mbarrier pair per slot); NUM_CONSUMERS
+  consumer warpgroups take items round-robin (item j -> consumer j % NUM_CONSUMERS, slot j % NUM_STAGES). NUM_STAGES is a
   multiple of NUM_CONSUMERS, so each slot always has the same single consumer (empty arrive count 1).
 - One 64x64 score tile per item: exact softmax, no running max, no LSE saved; the backward
   recomputes P and gets Di = rowsum(P * dP) from registers. No atomics: each item owns its block's
   rows of dq/dk/dv, so gradients are deterministic.
 """
 
+import contextlib
 import math
 
 import torch
@@ -40,22 +43,95 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Largest dynamic shared memory an sm_90 block may opt into (227 KiB).
 SM90_MAX_SMEM = 232448
+# Left free for what the compiler adds beyond our buffers (mbarriers, alignment padding).
+SMEM_SLACK = 1024
+# More slots than this stop helping: 8 items in flight per SM already cover HBM latency.
+MAX_STAGES = 8
+
+# Tuning knobs, per direction. Defaults are chosen in tlx_config; `tuning_overrides` replaces
+# them for benchmark sweeps. A value may be an int/bool or a {head_dim: value} dict.
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "O_TMA_STORE")
+BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
+_OVERRIDES: dict[str, dict] = {"fwd": {}, "bwd": {}}
 
 
-def tlx_config(head_dim: int, rotary: bool, backward: bool) -> dict:
-    """Ring depth / consumer count per kernel shape, sized so the SMEM ring fits in 227 KiB.
+@contextlib.contextmanager
+def tuning_overrides(fwd: dict | None = None, bwd: dict | None = None):
+    """Launch with other knob values (FWD_KNOBS / BWD_KNOBS) inside the block; for sweeps."""
+    for direction, knobs, allowed in (("fwd", fwd, FWD_KNOBS), ("bwd", bwd, BWD_KNOBS)):
+        unknown = set(knobs or ()) - set(allowed)
+        if unknown:
+            raise ValueError(f"unknown {direction} tuning knobs {sorted(unknown)}; choose from {allowed}")
+    saved = {k: dict(v) for k, v in _OVERRIDES.items()}
+    _OVERRIDES["fwd"] = dict(fwd or {})
+    _OVERRIDES["bwd"] = dict(bwd or {})
+    try:
+        yield
+    finally:
+        _OVERRIDES.update(saved)
+
+
+def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM_CONSUMERS: int,
+               O_TMA_STORE: bool = False, elem_size: int = 2) -> int:
+    """Shared memory of one program: the ring plus per-consumer tiles and compiler scratch.
 
     Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO; rotary adds fp32 cos,sin = 2*64*(D/2)*4 B.
-    The bwd also keeps two 64x64 transposed operand tiles (P^T, dS^T) per consumer.
+    Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the bwd keeps two 64x64
+    transposed operand tiles (P^T, dS^T). Triton adds one layout-conversion scratch per consumer
+    (measured on the AOT builds, tests/test_tlx_aot.py holds this model to them): 64xD 16-bit
+    for the fwd's rotary pair split/join, 8 KiB for a masked store from registers.
     """
+    tile = BLOCK_SIZE * head_dim * elem_size
+    slot = (4 if backward else 3) * tile + (2 * BLOCK_SIZE * (head_dim // 2) * 4 if rotary else 0)
+    if backward:
+        per_consumer = 2 * BLOCK_SIZE * BLOCK_SIZE * elem_size + 8192
+    else:
+        per_consumer = (tile if O_TMA_STORE else 0) + (tile if rotary else 0 if O_TMA_STORE else 8192)
+    return NUM_STAGES * slot + NUM_CONSUMERS * per_consumer
+
+
+def _resolve_knob(value, head_dim: int):
+    return value[head_dim] if isinstance(value, dict) else value
+
+
+def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | None = None) -> dict:
+    """Constexpr knobs of one kernel shape: the overrides (default: the active tuning_overrides)
+    on top of the defaults, with NUM_STAGES as deep as fits in 227 KiB unless given.
+
+    Defaults: two consumer warpgroups (one's softmax runs while the other's wgmma does), except
+    the bwd at D=128 with rotary where a second consumer's scratch does not fit next to two
+    96 KiB slots; the fwd stores full O tiles by TMA from SMEM (async, no register-to-global
+    traffic on the consumer's critical path).
+    """
+    direction = "bwd" if backward else "fwd"
+    if overrides is None:
+        overrides = _OVERRIDES[direction]
+    knobs = {k: _resolve_knob(v, head_dim) for k, v in overrides.items()}
+    consumers = knobs.get("NUM_CONSUMERS")
+    if consumers is None:
+        consumers = 1 if (backward and head_dim == 128 and rotary) else 2
+    cfg = dict(NUM_CONSUMERS=consumers)
     if not backward:
-        # D=128 rotary: 2 x 80 KiB; D=64: 4 x 24 (40 with rotary) KiB.
-        stages = 4 if head_dim == 64 else 2
-        return dict(NUM_STAGES=stages, NUM_CONSUMERS=2)
-    if head_dim == 128 and rotary:
-        # 2 x 96 KiB ring + 16 KiB scratch for one consumer; two would not fit.
-        return dict(NUM_STAGES=2, NUM_CONSUMERS=1)
-    return dict(NUM_STAGES=2, NUM_CONSUMERS=2)
+        o_tma = knobs.get("O_TMA_STORE")
+        cfg["O_TMA_STORE"] = True if o_tma is None else bool(o_tma)
+    extra = {k: v for k, v in cfg.items() if k != "NUM_CONSUMERS"}
+    stages = knobs.get("NUM_STAGES")
+    if stages is None:
+        # The deepest ring (a multiple of the consumer count) that fits.
+        stages = consumers
+        while (stages + consumers <= MAX_STAGES and smem_bytes(head_dim, rotary, backward, stages + consumers,
+                                                               consumers, **extra) + SMEM_SLACK <= SM90_MAX_SMEM):
+            stages += consumers
+    cfg["NUM_STAGES"] = stages
+    if consumers not in (1, 2) or stages < 1 or stages % consumers:
+        raise ValueError(f"{direction} config {cfg}: NUM_CONSUMERS must be 1 or 2 and NUM_STAGES a positive "
+                         "multiple of it (each slot must always go to the same consumer)")
+    need = smem_bytes(head_dim, rotary, backward, stages, consumers, **extra)
+    if need + SMEM_SLACK > SM90_MAX_SMEM:
+        raise ValueError(f"{direction} config {cfg} at head_dim {head_dim}{' with rotary' if rotary else ''} needs "
+                         f"{need} B of shared memory; sm_90 allows {SM90_MAX_SMEM}")
+    cfg["CONSUMER_REGS"] = _consumer_regs(consumers)
+    return cfg
 
 
 def _consumer_regs(num_consumers: int) -> int:
@@ -79,6 +155,15 @@ if HAS_TLX:
         return tl.reshape(tl.join(y0, y1), (BLOCK, HEAD_DIM))
 
     @triton.jit
+    def _num_local_items(num_blocks_ptr, H):
+        # Every partition computes the same trip count from the same device scalar, so the
+        # producer and consumers agree on which items exist and the barrier phases stay paired.
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        num_items = tl.load(num_blocks_ptr).to(tl.int32) * H
+        return pid, nprog, tl.maximum((num_items - pid + nprog - 1) // nprog, 0)
+
+    @triton.jit
     def _item_coords(item, H, block_start_ptr, block_len_ptr):
         blk = item // H
         head = item - blk * H
@@ -88,7 +173,7 @@ if HAS_TLX:
 
     @triton.jit
     def _store_tile(ptr, x, start, length, head, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-        # Masked, never TMA: rows >= length belong to the next sequence.
+        # Masked, not TMA: rows >= length belong to the next sequence.
         rows = tl.arange(0, BLOCK)
         cols = tl.arange(0, HEAD_DIM)
         offs = (start + rows).to(tl.int64)[:, None] * stride_t + (head * HEAD_DIM + cols)[None, :]
@@ -96,11 +181,12 @@ if HAS_TLX:
 
     @triton.jit
     def _tlx_block_attn_fwd(
-        desc_q, desc_k, desc_v, desc_cos, desc_sin,
-        out_ptr, block_start_ptr, block_len_ptr,
-        num_items, H, stride_t, sm_scale,
+        desc_q, desc_k, desc_v, desc_o, desc_cos, desc_sin,
+        out_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
+        H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+        O_TMA_STORE: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         HALF: tl.constexpr = HEAD_DIM // 2
@@ -112,21 +198,22 @@ if HAS_TLX:
             SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
 
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        n_local = (num_items - pid + nprog - 1) // nprog
-
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         if ROTARY:
             cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
             sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
+        if O_TMA_STORE:
+            # Per-consumer staging of O, outside the ring so a slot is released right after PV
+            # instead of after the TMA engine has read O out of it.
+            o_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_CONSUMERS)
         fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
         empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
+                pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
                 for j in range(0, n_local):
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
@@ -145,6 +232,7 @@ if HAS_TLX:
                 cid: tl.constexpr = tlx.async_task_replica_id()
                 qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
                 cols = tl.arange(0, BLOCK)
+                pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
                 for j in range(cid, n_local, NUM_CONSUMERS):
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
@@ -174,14 +262,30 @@ if HAS_TLX:
                     acc = tlx.async_dot(p.to(dtype), v_bufs[slot])
                     acc = tlx.async_dot_wait(0, acc)
                     tlx.barrier_arrive(empties[slot], 1)
-                    acc = acc / l[:, None]
-                    _store_tile(out_ptr, acc, start, length, head, stride_t, BLOCK, HEAD_DIM)
+                    acc = acc * (1.0 / l)[:, None]  # 64 reciprocals, not 64x128 divisions
+                    if O_TMA_STORE:
+                        # The previous item's store must have read the staging tile first.
+                        tlx.async_descriptor_store_wait(0)
+                        tlx.local_store(o_bufs[cid], acc.to(dtype))
+                        if length == BLOCK:
+                            tlx.fence_async_shared()
+                            tlx.async_descriptor_store(desc_o, o_bufs[cid], [start, head * HEAD_DIM])
+                        else:
+                            # Reading O back from the staging tile is the register-layout change a
+                            # coalesced masked store needs, without a second 16 KiB scratch tile.
+                            o = tlx.local_load(o_bufs[cid])
+                            _store_tile(out_ptr, o, start, length, head, stride_t, BLOCK, HEAD_DIM)
+                    else:
+                        _store_tile(out_ptr, acc, start, length, head, stride_t, BLOCK, HEAD_DIM)
+                if O_TMA_STORE:
+                    # SMEM must outlive the last store's read of it.
+                    tlx.async_descriptor_store_wait(0)
 
     @triton.jit
     def _tlx_block_attn_bwd(
         desc_q, desc_k, desc_v, desc_do, desc_cos, desc_sin,
-        dq_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr,
-        num_items, H, stride_t, sm_scale,
+        dq_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
+        H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
     ):
@@ -194,10 +298,6 @@ if HAS_TLX:
         else:
             SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
-
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        n_local = (num_items - pid + nprog - 1) // nprog
 
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
@@ -214,6 +314,7 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
+                pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
                 for j in range(0, n_local):
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
@@ -234,6 +335,7 @@ if HAS_TLX:
                 idx = tl.arange(0, BLOCK)
                 pT_buf = pT_bufs[cid]
                 dsT_buf = dsT_bufs[cid]
+                pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
                 for j in range(cid, n_local, NUM_CONSUMERS):
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
@@ -344,41 +446,41 @@ def _num_sms(device: torch.device) -> int:
 
 def _tma_ready(x: torch.Tensor, rows: int) -> torch.Tensor:
     """Contiguous, 16-byte aligned, and at least one block tall (a TMA box may not exceed the
-    tensor it tiles; padded rows are zeros and never stored back)."""
-    x = x.contiguous()
+    tensor it tiles; padded rows are zeros and never stored back). A no-op for the usual input."""
+    if not x.is_contiguous():
+        x = x.contiguous()
     if x.data_ptr() % 16:
         x = x.clone()
     if x.shape[0] < rows:
-        pad = x.new_zeros((rows - x.shape[0], *x.shape[1:]))
-        x = torch.cat([x, pad])
+        x = torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
     return x
 
 
 def _desc_2d(x: torch.Tensor, block_cols: int):
-    x2 = x.reshape(x.shape[0], -1)
+    x2 = x.view(x.shape[0], -1)
     return TensorDescriptor(x2, shape=list(x2.shape), strides=[x2.shape[1], 1], block_shape=[BLOCK_SIZE, block_cols])
 
 
 def _rotary_descs(cos, sin, head_dim):
     if cos is None:
         return None, None
-    cos = _tma_ready(cos.float(), BLOCK_SIZE)
-    sin = _tma_ready(sin.float(), BLOCK_SIZE)
-    return _desc_2d(cos, head_dim // 2), _desc_2d(sin, head_dim // 2)
+    return (_desc_2d(_tma_ready(cos, BLOCK_SIZE), head_dim // 2),
+            _desc_2d(_tma_ready(sin, BLOCK_SIZE), head_dim // 2))
 
 
-def _launch_common(q, offsets):
-    total_tokens, heads, head_dim = q.shape
-    block_start, block_len = block_table(offsets)
-    num_items = block_start.numel() * heads
-    grid = (max(1, min(_num_sms(q.device), num_items)),)
-    return total_tokens, heads, head_dim, block_start, block_len, num_items, grid
+def tlx_block_table(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block_start, block_len, num_blocks): the sync-free block table plus its count of real
+    rows as a device scalar, so the kernels skip the unused rows without a host read."""
+    block_start, block_len = block_table(offsets, total_tokens)
+    return block_start, block_len, torch.count_nonzero(block_len)
+
+
+def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
+    return (max(1, min(_num_sms(q.device), block_start.numel() * q.shape[1])),)
 
 
 def _check_inputs(q, k, v, offsets, cos, sin):
-    reason = tlx_unsupported_reason(q, cos)
-    if reason is not None:
-        raise RuntimeError(f"block_attention_tlx cannot run: {reason}")
+    # Metadata only, so torch.compile traces it; the device query runs inside the op.
     if k.shape != q.shape or v.shape != q.shape or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError("q, k, v must share shape [T, H, D] and dtype")
     if offsets.dtype != torch.int32 or offsets.device != q.device:
@@ -389,66 +491,71 @@ def _check_inputs(q, k, v, offsets, cos, sin):
         raise ValueError(f"cos/sin must be [T, D/2] = {(q.shape[0], q.shape[2] // 2)}, got {tuple(cos.shape)}")
 
 
-def _tlx_forward_impl(q, k, v, offsets, cos, sin, rotate_v):
-    _check_inputs(q, k, v, offsets, cos, sin)
+def _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
+    reason = tlx_unsupported_reason(q, cos)
+    if reason is not None:
+        raise RuntimeError(f"block_attention_tlx cannot run: {reason}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if q.shape[0] == 0 or q.shape[1] == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
         return out
+    T, H, D = q.shape
+    rotary = cos is not None
+    cfg = tlx_config(D, rotary, backward=False)
     with torch.cuda.device(q.device):
-        T, H, D, block_start, block_len, num_items, grid = _launch_common(q, offsets)
-        if num_items == 0:
-            return out
-        rotary = cos is not None
-        cfg = tlx_config(D, rotary, backward=False)
-        descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v)]
+        # O's descriptor tiles the (padded, if T < 64) output; only full blocks are TMA-stored,
+        # and those lie inside [0, T), so the padding is never written.
+        out_tma = _tma_ready(out, BLOCK_SIZE)
+        descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v)] + [_desc_2d(out_tma, D)]
         desc_cos, desc_sin = _rotary_descs(cos, sin, D)
-        _tlx_block_attn_fwd[grid](
-            *descs, desc_cos, desc_sin, out, block_start, block_len,
-            num_items, H, H * D, 1.0 / math.sqrt(D),
-            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary),
-            CONSUMER_REGS=_consumer_regs(cfg["NUM_CONSUMERS"]), num_warps=4, num_stages=1, **cfg,
+        _tlx_block_attn_fwd[_grid(q, block_start)](
+            *descs, desc_cos, desc_sin, out, block_start, block_len, num_blocks,
+            H, H * D, 1.0 / math.sqrt(D),
+            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
     return out
 
 
-def _tlx_backward_impl(grad_out, q, k, v, offsets, cos, sin, rotate_v):
+def _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    if q.shape[0] == 0 or q.shape[1] == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
         return dq, dk, dv
+    T, H, D = q.shape
+    rotary = cos is not None
+    cfg = tlx_config(D, rotary, backward=True)
+    if grad_out.dtype != q.dtype:
+        grad_out = grad_out.to(q.dtype)
     with torch.cuda.device(q.device):
-        T, H, D, block_start, block_len, num_items, grid = _launch_common(q, offsets)
-        if num_items == 0:
-            return dq, dk, dv
-        rotary = cos is not None
-        cfg = tlx_config(D, rotary, backward=True)
-        descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v, grad_out.to(q.dtype))]
+        descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v, grad_out)]
         desc_cos, desc_sin = _rotary_descs(cos, sin, D)
-        _tlx_block_attn_bwd[grid](
-            *descs, desc_cos, desc_sin, dq, dk, dv, block_start, block_len,
-            num_items, H, H * D, 1.0 / math.sqrt(D),
-            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary),
-            CONSUMER_REGS=_consumer_regs(cfg["NUM_CONSUMERS"]), num_warps=4, num_stages=1, **cfg,
+        _tlx_block_attn_bwd[_grid(q, block_start)](
+            *descs, desc_cos, desc_sin, dq, dk, dv, block_start, block_len, num_blocks,
+            H, H * D, 1.0 / math.sqrt(D),
+            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
     return dq, dk, dv
 
 
+# The block table is built once, outside the ops, and saved for the backward: the ops take it
+# as input rather than offsets, so the backward never rebuilds it.
 @torch.library.custom_op("block_attention::tlx_fwd", mutates_args=())
 def _tlx_fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
+    block_start: torch.Tensor,
+    block_len: torch.Tensor,
+    num_blocks: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     rotate_v: bool,
 ) -> torch.Tensor:
-    return _tlx_forward_impl(q, k, v, offsets, cos, sin, rotate_v)
+    return _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v)
 
 
 @_tlx_fwd_op.register_fake
-def _(q, k, v, offsets, cos, sin, rotate_v):
+def _(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -458,30 +565,32 @@ def _tlx_bwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
+    block_start: torch.Tensor,
+    block_len: torch.Tensor,
+    num_blocks: torch.Tensor,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     rotate_v: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _tlx_backward_impl(grad_out, q, k, v, offsets, cos, sin, rotate_v)
+    return _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v)
 
 
 @_tlx_bwd_op.register_fake
-def _(grad_out, q, k, v, offsets, cos, sin, rotate_v):
+def _(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, cos, sin, rotate_v = inputs
-    ctx.save_for_backward(q, k, v, offsets, cos, sin)
+    q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v = inputs
+    ctx.save_for_backward(q, k, v, block_start, block_len, num_blocks, cos, sin)
     ctx.rotate_v = rotate_v
 
 
 def _backward(ctx, grad_out):
-    q, k, v, offsets, cos, sin = ctx.saved_tensors
-    dq, dk, dv = _tlx_bwd_op(grad_out.contiguous(), q, k, v, offsets, cos, sin, ctx.rotate_v)
-    # No gradient for the rotary tables (they are position functions, not parameters).
-    return dq, dk, dv, None, None, None, None
+    q, k, v, block_start, block_len, num_blocks, cos, sin = ctx.saved_tensors
+    dq, dk, dv = _tlx_bwd_op(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, ctx.rotate_v)
+    # No gradient for the block table or the rotary tables (position functions, not parameters).
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _tlx_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -490,4 +599,7 @@ _tlx_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def block_attention_tlx(q, k, v, offsets, cos=None, sin=None, rotate_v=False):
     """Block attention (64-token blocks, non-causal, scale 1/sqrt(D)) with fused interleaved rotary
     on q, k (and v when rotate_v; the output is then not un-rotated). Hopper + TLX only."""
-    return _tlx_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), offsets, cos, sin, bool(rotate_v))
+    _check_inputs(q, k, v, offsets, cos, sin)
+    block_start, block_len, num_blocks = tlx_block_table(offsets, q.shape[0])
+    return _tlx_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), block_start, block_len, num_blocks,
+                       cos, sin, bool(rotate_v))
