@@ -9,14 +9,26 @@ the fp64 reference on the same inputs:
 - gradients' SNR = 10 log10(|ref|^2 / |err|^2) >= 45 dB;
 - a second run gives bitwise-identical output and gradients.
 Each case runs in its own try/except; prints a table and PASS/FAIL, writes every number to --out,
-and exits 1 if anything failed. --sweep then times fwd and fwd+bwd at the benchmark shapes for a few
-(num_warps, loop stages) settings of the kernels, to pick the defaults from measurements.
+and exits 1 if anything failed.
+
+    python benchmarks/gpu_check_triton.py --sweep --out /tmp/triton.json   # ~4 min on an H200
+
+--sweep instead checks each launch variant (VARIANTS) on two ragged cases and times fwd, bwd and
+fwd+bwd at SWEEP_SHAPES, as % of a copy ceiling measured in the same run; the default variant is
+also timed through the public block_attention API, whose input validation syncs with the host.
+
+    python benchmarks/gpu_check_triton.py --aot     # no GPU: sm_90 registers/spills per variant
 """
 
 import argparse
 import json
 import math
+import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -33,12 +45,21 @@ ABS_FLOOR = 1e-5
 HEADS = 4
 EDGE_LENGTHS = [0, 1, 63, 64, 65, 200, 0, 128]
 ROTARY = {"none": None, "qk": Rotary(), "qkv": Rotary(rotate_v=True)}
-SWEEP_SHAPES = ("1024x512x4x128", "2048x256x4x64", "512x1024x8x64", "jagged:1152x1024x4x128", "jagged:1152x4096x4x128")
-SWEEP_SETTINGS = {  # name -> (num_warps per head_dim, loop stages)
-    "default": (dict(triton_backend._NUM_WARPS), triton_backend._LOOP_STAGES),
-    "d128_warps8": ({**triton_backend._NUM_WARPS, 128: 8}, triton_backend._LOOP_STAGES),
-    "warps8": ({32: 8, 64: 8, 128: 8}, triton_backend._LOOP_STAGES),
-    "stages2": (dict(triton_backend._NUM_WARPS), 2),
+SWEEP_SHAPES = ("1024x512x4x128", "2048x256x4x64", "jagged:1152x1024x4x128")
+SWEEP_ROTARY_SHAPE = "1024x512x4x128"  # rotary timed here only, to keep the sweep within minutes
+# Launch variants: name -> (forward, backward) LaunchConfig fields over the production defaults
+# (kernels.triton_block_attention._LAUNCH_CONFIGS); NOTES_triton.md predicts each one.
+VARIANTS = {
+    "default": ({}, {}),
+    # The colleague's launch: occupancy-sized persistent grid, 4 warps, no register cap.
+    "persistent": (dict(persistent=True, maxnreg=None), dict(persistent=True, maxnreg=None)),
+    "flat_w4": (dict(persistent=False, num_warps=4, maxnreg=None), dict(persistent=False, num_warps=4, maxnreg=None)),
+    "flat_w8": (dict(persistent=False, num_warps=8, maxnreg=None), dict(persistent=False, num_warps=8, maxnreg=None)),
+    "flat_w4_cap128_168": (dict(persistent=False, num_warps=4, maxnreg=128), dict(persistent=False, num_warps=4, maxnreg=168)),
+    "persistent_stages2": (dict(persistent=True, loop_stages=2), dict(persistent=True, loop_stages=2)),
+    "persistent_stages3": (dict(persistent=True, loop_stages=3), dict(persistent=True, loop_stages=3)),
+    "persistent_w8_stages2": (dict(persistent=True, num_warps=8, loop_stages=2, maxnreg=None),
+                              dict(persistent=True, num_warps=8, loop_stages=2, maxnreg=None)),
 }
 
 
@@ -204,68 +225,174 @@ def print_row(row: dict) -> None:
     print(f"{status}  {row['case']:<42} " + " | ".join(cells), flush=True)
 
 
+def variant_config(variant: str, direction: str, head_dim: int, rotary: bool):
+    """The LaunchConfig a variant's `direction` kernel runs with."""
+    fwd, bwd = VARIANTS[variant]
+    with triton_backend.launch_overrides(fwd, bwd):
+        return triton_backend.launch_config(direction, head_dim, rotary)
+
+
+def sweep_correctness(device) -> dict:
+    """Two ragged cases per variant: D128 with rotary (the register-heaviest kernels) and D64 plain."""
+    rng = torch.Generator().manual_seed(99)
+    ragged = EDGE_LENGTHS + torch.randint(0, 600, (24,), generator=rng).tolist()
+    rows = {}
+    for head_dim, rotary in ((128, "qk"), (64, "none")):
+        row = check_attention(ragged, head_dim, torch.bfloat16, rotary, device, seed=head_dim)
+        rows[f"D{head_dim}_{rotary}"] = row["ok"]
+    return rows
+
+
 def run_sweep(device) -> list[dict]:
-    """fwd and fwd+bwd times of the triton backend per setting, as a fraction of copy bandwidth."""
+    """Per variant: a quick correctness check, then fwd, bwd, fwd+bwd ms and % of copy bandwidth."""
     from benchmarks.bench_attention import (
-        frac_copy_bw, make_inputs, make_timer, measure_copy_bw_tbps, min_bytes, parse_shape, time_pass,
+        PASSES, frac_copy_bw, make_inputs, make_timer, measure_copy_bw_tbps, min_bytes, parse_shape, time_pass,
     )
 
-    timer = make_timer(device, warmup_ms=25, rep_ms=100)
+    torch._functorch.config.donated_buffer = False  # as bench_attention: bwd replays one graph
+    timer = make_timer(device, warmup_ms=10, rep_ms=40)
     copy_bw = measure_copy_bw_tbps(device, 1 << 30, timer)
-    print(f"copy bandwidth {copy_bw:.2f} TB/s", flush=True)
+    print(f"copy ceiling {copy_bw:.2f} TB/s; cells: ms (% of copy ceiling over minimum bytes)", flush=True)
     rows = []
-    defaults = (dict(triton_backend._NUM_WARPS), triton_backend._LOOP_STAGES)
     for label in SWEEP_SHAPES:
+        started = time.perf_counter()
         inputs = make_inputs(parse_shape(label), device, seed=0)
-        for rotary in (False, True):
-            tables = Rotary(cos=inputs.cos, sin=inputs.sin) if rotary else None
-
-            def forward(q, k, v):
-                return block_attention(q, k, v, inputs.offsets, rotary=tables, backend="triton")
-
-            for setting, (num_warps, stages) in SWEEP_SETTINGS.items():
-                triton_backend._NUM_WARPS, triton_backend._LOOP_STAGES = dict(num_warps), stages
-                row = {"shape": label, "rotary": rotary, "setting": setting}
+        print(f"\n== {label} (T = {inputs.tokens})\n{'variant':<24} {'rotary':<6} " + "".join(f"{p:>18}" for p in PASSES), flush=True)
+        for variant, (fwd, bwd) in [*VARIANTS.items(), ("default+api", ({}, {}))]:
+            for rotary in (False, True) if label == SWEEP_ROTARY_SHAPE else (False,):
+                row = {"shape": label, "variant": variant, "rotary": rotary}
                 try:
-                    for pass_ in ("fwd", "fwd+bwd"):
-                        ms, _ = time_pass(pass_, forward, inputs, timer)
-                        nbytes = min_bytes(pass_, inputs.tokens, inputs.shape.heads, inputs.shape.head_dim, 2, rotary)
-                        row[pass_] = {"ms": ms, "frac_copy_bw": frac_copy_bw(nbytes, ms, copy_bw)}
-                    print(f"{label:<24} rotary={rotary!s:<5} {setting:<8} " + "  ".join(
-                        f"{p} {row[p]['ms']:.3f} ms {100 * row[p]['frac_copy_bw']:.0f}%" for p in ("fwd", "fwd+bwd")), flush=True)
+                    with triton_backend.launch_overrides(fwd, bwd):
+                        if label == SWEEP_SHAPES[0] and not rotary and variant != "default+api":
+                            row["correct"] = sweep_correctness(device)
+                        cos, sin = (inputs.cos, inputs.sin) if rotary else (None, None)
+                        if variant == "default+api":  # the public entry point, validation and all
+                            tables = Rotary(cos=inputs.cos, sin=inputs.sin) if rotary else None
+                            forward = lambda q, k, v: block_attention(q, k, v, inputs.offsets, rotary=tables, backend="triton")  # noqa: E731
+                        else:
+                            forward = lambda q, k, v: triton_backend.block_attention_triton(q, k, v, inputs.offsets, cos, sin)  # noqa: E731
+                        for pass_ in PASSES:
+                            ms, _ = time_pass(pass_, forward, inputs, timer)
+                            nbytes = min_bytes(pass_, inputs.tokens, inputs.shape.heads, inputs.shape.head_dim, 2, rotary)
+                            row[pass_] = {"ms": ms, "frac_copy_bw": frac_copy_bw(nbytes, ms, copy_bw)}
+                    cells = "".join(f"{row[p]['ms']:>10.3f} ({100 * row[p]['frac_copy_bw']:3.0f}%)" for p in PASSES)
+                    bad = [case for case, ok in row.get("correct", {}).items() if not ok]
+                    print(f"{variant:<24} {str(rotary):<6} {cells}{'  WRONG: ' + ','.join(bad) if bad else ''}", flush=True)
                 except Exception as error:
                     row["error"] = f"{type(error).__name__}: {error}"
-                    print(f"{label:<24} rotary={rotary!s:<5} {setting:<8} ERROR {row['error']}", flush=True)
+                    print(f"{variant:<24} {str(rotary):<6} ERROR {row['error'][:300]}", flush=True)
                 rows.append(row)
         del inputs
         torch.cuda.empty_cache()
-    triton_backend._NUM_WARPS, triton_backend._LOOP_STAGES = defaults
+        print(f"({time.perf_counter() - started:.0f} s)", flush=True)
     return rows
+
+
+def aot_resources(direction: str, head_dim: int, rotary: bool, config) -> dict:
+    """Compiles one kernel for sm_90 without a GPU (bf16, the specialization a real launch gets)
+    and reads its registers, spill stack and shared memory from the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = triton_backend._block_attention_fwd if direction == "fwd" else triton_backend._block_attention_bwd
+    constexprs = dict(BLOCK=64, HEAD_DIM=head_dim, ROTARY=rotary, ROTATE_V=False, DOT_PRECISION="tf32",
+                      LOOP_STAGES=config.loop_stages if config.persistent else 1)
+    signature, divisible = {}, []
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("cos_ptr", "sin_ptr"):
+            signature[name] = "*fp32" if rotary else "constexpr"  # a None argument is a constexpr
+        elif name == "num_blocks_ptr":
+            signature[name] = "*i64"
+        elif name.startswith("block_"):
+            signature[name] = "*i32"
+        elif name.endswith("_ptr"):
+            signature[name] = "*bf16"
+        elif "scale" in name:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+        # Pointers from torch's allocator and strides (multiples of D) are 16-divisible at launch.
+        if signature[name] != "constexpr" and (name.endswith("_ptr") or "stride" in name):
+            divisible.append(name)
+    if not rotary:
+        constexprs.update(cos_ptr=None, sin_ptr=None)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    options = dict(num_warps=config.num_warps, num_stages=1)
+    if config.maxnreg is not None:
+        options["maxnreg"] = config.maxnreg
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    smem = compiled.metadata.shared
+    threads = 32 * config.num_warps
+    per_sm = min(65536 // (-(-regs * 32 // 256) * 256 * config.num_warps), 233472 // (smem + 1024), 2048 // threads)
+    return dict(regs=regs, spill_stack_bytes=stack, smem=smem, programs_per_sm=per_sm, warps_per_sm=per_sm * config.num_warps)
+
+
+def run_aot() -> int:
+    """Registers and spills of every variant's kernels (bf16; D 64/128; rotary off/q,k) on sm_90."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter does not compile kernels")
+    done, failed = {}, 0
+    print(f"{'variant':<22} {'kernel':<14} {'config':<60} regs spill smem  progs/SM warps/SM")
+    for variant in VARIANTS:
+        for direction in ("fwd", "bwd"):
+            for head_dim in (64, 128):
+                for rotary in (False, True):
+                    config = variant_config(variant, direction, head_dim, rotary)
+                    key = (direction, head_dim, rotary, config)
+                    name = f"{direction} D{head_dim}{' rot' if rotary else ''}"
+                    try:
+                        if key not in done:
+                            done[key] = aot_resources(direction, head_dim, rotary, config)
+                        r = done[key]
+                        knobs = f"w{config.num_warps} {'persist' if config.persistent else 'flat'} st{config.loop_stages} cap{config.maxnreg}"
+                        print(f"{variant:<22} {name:<14} {knobs:<60} {r['regs']:>4} {r['spill_stack_bytes']:>5} {r['smem']:>6} {r['programs_per_sm']:>5} {r['warps_per_sm']:>8}", flush=True)
+                    except Exception as error:
+                        failed += 1
+                        print(f"{variant:<22} {name:<14} FAIL {type(error).__name__}: {str(error)[:300]}", flush=True)
+    return 1 if failed else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, type=Path, help="JSON file for every number")
+    parser.add_argument("--out", type=Path, help="JSON file for every number (needed unless --aot)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--sweep", action="store_true", help="also time a few kernel settings (minutes)")
+    parser.add_argument("--sweep", action="store_true", help="time the launch variants instead of the full check (~4 min)")
+    parser.add_argument("--aot", action="store_true", help="no GPU: compile every variant for sm_90, print registers/spills")
     args = parser.parse_args()
+    if args.aot:
+        return run_aot()
+    if args.out is None:
+        parser.error("--out is required (unless --aot)")
     device = torch.device(args.device)
     import triton
 
     env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(device)}
     print(env, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        report = {"env": env, "variants": {name: [repr(variant_config(name, d, 128, False)) for d in ("fwd", "bwd")] for name in VARIANTS}}
+        report["sweep"] = run_sweep(device)
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+        wrong = [f"{r['variant']}" for r in report["sweep"] if "error" in r or not all(r.get("correct", {}).values())]
+        print(f"{'FAIL' if wrong else 'PASS'}: variants with errors or wrong results: {sorted(set(wrong)) or 'none'}")
+        return 1 if wrong else 0
     print("case: per output, max abs error kernel/torch-same-dtype vs fp64, SNR; ! flags = failed checks", flush=True)
     rows = run_checks(device)
     report = {"env": env, "min_grad_snr_db": MIN_GRAD_SNR_DB, "error_ratio": ERROR_RATIO, "cases": rows}
     failed = [row["case"] for row in rows if not row["ok"]]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1, default=str))
-    if args.sweep:
-        report["sweep"] = run_sweep(device)
-        args.out.write_text(json.dumps(report, indent=1, default=str))
     print(f"{'FAIL' if failed else 'PASS'}: {len(rows) - len(failed)} passed, {len(failed)} failed {failed or ''}")
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

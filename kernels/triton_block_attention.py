@@ -3,8 +3,9 @@
 Invariants the kernels rely on:
 - A work item is one (64-token block, head); a block comes from kernels.blocks.block_table, so
   its rows are contiguous tokens of one sequence and only a sequence's last block is partial.
-  The table has a fixed, shape-derived size (no host sync); its unused rows have length 0 and
-  are skipped.
+  The table has a fixed, shape-derived size (no host sync); its real rows come first, and the
+  kernels read their count (num_blocks, on the device) and never visit the unused rows, so every
+  item they process has length >= 1. The table is built once per forward and saved for the backward.
 - Each query block sees exactly one key block, so the forward is one QK^T, an exact softmax (no
   running max, no rescaling), one PV, and no logsumexp is kept. The backward recomputes P and
   takes Di = rowsum(P * dP) from registers, so it needs no preprocessing pass.
@@ -14,13 +15,16 @@ Invariants the kernels rely on:
   bitwise deterministic.
 - q, k, v (and dq, dk, dv) share a (token, head) stride pair and a contiguous last dim, so they
   can be separate [T, H, D] tensors or the three views of one packed [T, 3, H, D] buffer.
-- A persistent grid of min(#items, #SMs * programs_per_sm) programs walks the items
-  pid, pid + nprog, ...; consecutive programs take the heads of one block, which sit side by side
-  in memory.
+- Launch settings (grid shape, warps, register cap, loop pipelining) are LaunchConfig knobs of the
+  one forward and one backward kernel, not copies of them. With the default one-program-per-item
+  grid the loop runs once; a persistent grid walks items pid, pid + nprog, ... Consecutive
+  programs take the heads of one block, which sit side by side in memory.
 """
 
+import contextlib
 import math
 import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -86,103 +90,140 @@ def _softmax_scores(q, k, length, qk_scale, BLOCK: tl.constexpr, DOT_PRECISION: 
 
 @triton.jit
 def _block_attention_fwd(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, out_ptr, block_start_ptr, block_len_ptr,
-    num_items, heads, stride_t, stride_h, out_stride_t, out_stride_h, qk_scale,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, out_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
+    heads, stride_t, stride_h, out_stride_t, out_stride_h, qk_scale,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     dtype = q_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK)
+    # Only the table's first num_blocks rows are real, so every item visited has length >= 1.
+    num_items = tl.load(num_blocks_ptr).to(tl.int32) * heads
     for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=LOOP_STAGES):
         blk = item // heads
         head = item - blk * heads
         start = tl.load(block_start_ptr + blk)
         length = tl.load(block_len_ptr + blk)
-        # The block table has a fixed size; its unused rows (at the end) have length 0.
-        if length > 0:
-            row_ok = rows < length
-            offs = _tile_offsets(start, head, stride_t, stride_h, BLOCK, HEAD_DIM)
-            q = tl.load(q_ptr + offs, mask=row_ok[:, None], other=0.0)
-            k = tl.load(k_ptr + offs, mask=row_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
-            if ROTARY:
-                cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-                q = _rotate(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                k = _rotate(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                if ROTATE_V:
-                    v = _rotate(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
-            # P in the input dtype for the PV product, as FlashAttention does; normalize after.
-            out = tl.dot(p.to(dtype), v, input_precision=DOT_PRECISION) / row_sum[:, None]
-            out_offs = _tile_offsets(start, head, out_stride_t, out_stride_h, BLOCK, HEAD_DIM)
-            tl.store(out_ptr + out_offs, out.to(dtype), mask=row_ok[:, None])
+        # No branch around the body: Triton's loop pipeliner (LOOP_STAGES > 1) only prefetches
+        # loads that sit directly in the loop.
+        row_ok = rows < length
+        offs = _tile_offsets(start, head, stride_t, stride_h, BLOCK, HEAD_DIM)
+        q = tl.load(q_ptr + offs, mask=row_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + offs, mask=row_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
+        if ROTARY:
+            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
+            q = _rotate(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            k = _rotate(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            if ROTATE_V:
+                v = _rotate(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+        p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
+        # P in the input dtype for the PV product, as FlashAttention does; normalize after.
+        out = tl.dot(p.to(dtype), v, input_precision=DOT_PRECISION) / row_sum[:, None]
+        out_offs = _tile_offsets(start, head, out_stride_t, out_stride_h, BLOCK, HEAD_DIM)
+        tl.store(out_ptr + out_offs, out.to(dtype), mask=row_ok[:, None])
 
 
 @triton.jit
 def _block_attention_bwd(
     q_ptr, k_ptr, v_ptr, do_ptr, cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr,
-    num_items, heads, stride_t, stride_h, do_stride_t, do_stride_h, grad_stride_t, grad_stride_h,
+    num_blocks_ptr, heads, stride_t, stride_h, do_stride_t, do_stride_h, grad_stride_t, grad_stride_h,
     sm_scale, qk_scale,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     dtype = q_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK)
+    num_items = tl.load(num_blocks_ptr).to(tl.int32) * heads
     for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=LOOP_STAGES):
         blk = item // heads
         head = item - blk * heads
         start = tl.load(block_start_ptr + blk)
         length = tl.load(block_len_ptr + blk)
-        # The block table has a fixed size; its unused rows (at the end) have length 0.
-        if length > 0:
-            row_ok = rows < length
-            offs = _tile_offsets(start, head, stride_t, stride_h, BLOCK, HEAD_DIM)
-            q = tl.load(q_ptr + offs, mask=row_ok[:, None], other=0.0)
-            k = tl.load(k_ptr + offs, mask=row_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
-            do_offs = _tile_offsets(start, head, do_stride_t, do_stride_h, BLOCK, HEAD_DIM)
-            do = tl.load(do_ptr + do_offs, mask=row_ok[:, None], other=0.0)
-            if ROTARY:
-                # Recomputed from the raw inputs, bit-identical to the forward's rotated tiles.
-                cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-                q = _rotate(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                k = _rotate(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                if ROTATE_V:
-                    v = _rotate(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
-            p = p / row_sum[:, None]
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            di = tl.sum(p * dp, 1)
-            ds = (p * (dp - di[:, None]) * sm_scale).to(dtype)
-            grad_offs = _tile_offsets(start, head, grad_stride_t, grad_stride_h, BLOCK, HEAD_DIM)
-
-            dv = tl.dot(tl.trans(p.to(dtype)), do, input_precision=DOT_PRECISION)
+        row_ok = rows < length
+        offs = _tile_offsets(start, head, stride_t, stride_h, BLOCK, HEAD_DIM)
+        q = tl.load(q_ptr + offs, mask=row_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + offs, mask=row_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
+        do_offs = _tile_offsets(start, head, do_stride_t, do_stride_h, BLOCK, HEAD_DIM)
+        do = tl.load(do_ptr + do_offs, mask=row_ok[:, None], other=0.0)
+        if ROTARY:
+            # Recomputed from the raw inputs, bit-identical to the forward's rotated tiles.
+            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
+            q = _rotate(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            k = _rotate(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
             if ROTATE_V:
-                dv = _rotate(dv, cos, sin, BLOCK, HEAD_DIM, True)
-            tl.store(dv_ptr + grad_offs, dv.to(dtype), mask=row_ok[:, None])
-            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
-            if ROTARY:
-                dk = _rotate(dk, cos, sin, BLOCK, HEAD_DIM, True)
-            tl.store(dk_ptr + grad_offs, dk.to(dtype), mask=row_ok[:, None])
-            dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-            if ROTARY:
-                dq = _rotate(dq, cos, sin, BLOCK, HEAD_DIM, True)
-            tl.store(dq_ptr + grad_offs, dq.to(dtype), mask=row_ok[:, None])
+                v = _rotate(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+        p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
+        p = p / row_sum[:, None]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        di = tl.sum(p * dp, 1)
+        ds = (p * (dp - di[:, None]) * sm_scale).to(dtype)
+        grad_offs = _tile_offsets(start, head, grad_stride_t, grad_stride_h, BLOCK, HEAD_DIM)
+
+        dv = tl.dot(tl.trans(p.to(dtype)), do, input_precision=DOT_PRECISION)
+        if ROTATE_V:
+            dv = _rotate(dv, cos, sin, BLOCK, HEAD_DIM, True)
+        tl.store(dv_ptr + grad_offs, dv.to(dtype), mask=row_ok[:, None])
+        dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
+        if ROTARY:
+            dk = _rotate(dk, cos, sin, BLOCK, HEAD_DIM, True)
+        tl.store(dk_ptr + grad_offs, dk.to(dtype), mask=row_ok[:, None])
+        dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+        if ROTARY:
+            dq = _rotate(dq, cos, sin, BLOCK, HEAD_DIM, True)
+        tl.store(dq_ptr + grad_offs, dq.to(dtype), mask=row_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-# The kernels are memory-bound, so what counts is bytes in flight per SM, i.e. resident programs.
-# From sm_90 register counts (Triton 3.7): with 4 warps, 2-7 programs fit per SM (D=128 backward
-# with rotary: 2, spilling ~100-300 bytes/thread); 8 warps halve that at little register saving.
-_NUM_WARPS = {32: 4, 64: 4, 128: 4}
-# tl.range software pipelining: 1 = off. With 2, Triton issues the next item's cp.async copies only
-# after this item's stores, so they don't overlap compute, yet they cost shared memory.
-_LOOP_STAGES = 1
-# Programs per SM of each compiled kernel, from its registers and shared memory (see _occupancy).
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one kernel is launched. The kernels are memory-bound: what counts is how many bytes each
+    SM keeps in flight, i.e. how many programs are resident and whether loads overlap compute."""
+
+    num_warps: int = 4
+    # False: one program per (block, head) item; as programs finish, the hardware starts fresh ones,
+    # so the resident programs drift out of phase and one's loads overlap another's compute.
+    # True: an occupancy-sized grid whose programs loop over the items.
+    persistent: bool = False
+    # Software pipelining of the persistent loop (1 = off); >1 lets Triton prefetch the next
+    # item's tiles into shared memory (cp.async) while this one computes. Ignored unless persistent.
+    loop_stages: int = 1
+    # Registers per thread for ptxas (None: its choice). Resident programs = 64K / (regs * threads).
+    maxnreg: int | None = None
+
+
+# Production launch settings per (pass, head_dim, rotary): one program per item, 4 warps, and a
+# register cap where sm_90 compiles show it buys a resident program without spilling (fwd D=128:
+# 141 -> 128 registers, 3 -> 4 programs/SM; fwd D=64 rotary: 164 -> 124, 3 -> 4).
+# benchmarks/NOTES_triton.md has the register table; gpu_check_triton.py --sweep times alternatives.
+_LAUNCH_CONFIGS = {
+    (direction, head_dim, rotary): LaunchConfig()
+    for direction in ("fwd", "bwd") for head_dim in SUPPORTED_HEAD_DIMS for rotary in (False, True)
+} | {("fwd", 128, False): LaunchConfig(maxnreg=128), ("fwd", 64, True): LaunchConfig(maxnreg=128)}
+# Field overrides applied on top, per pass, by `launch_overrides` (the GPU sweep's variants).
+_OVERRIDES: dict[str, dict] = {"fwd": {}, "bwd": {}}
+# Programs per SM of each compiled persistent kernel, from its registers and shared memory.
 _OCCUPANCY: dict[tuple, int] = {}
+
+
+def launch_config(direction: str, head_dim: int, rotary: bool) -> LaunchConfig:
+    """The LaunchConfig the `direction` ("fwd" or "bwd") kernel runs with."""
+    return replace(_LAUNCH_CONFIGS[(direction, head_dim, rotary)], **_OVERRIDES[direction])
+
+
+@contextlib.contextmanager
+def launch_overrides(fwd: dict | None = None, bwd: dict | None = None):
+    """Within the block, launches use these LaunchConfig fields instead of the production ones."""
+    saved = {key: dict(value) for key, value in _OVERRIDES.items()}
+    _OVERRIDES["fwd"], _OVERRIDES["bwd"] = dict(fwd or {}), dict(bwd or {})
+    try:
+        yield
+    finally:
+        _OVERRIDES.update(saved)
 
 
 def _occupancy(compiled, device: torch.device) -> int:
@@ -198,20 +239,29 @@ def _occupancy(compiled, device: torch.device) -> int:
     return max(1, min(by_regs, by_smem, by_threads))
 
 
-def _launch_persistent(kernel, num_items: int, device: torch.device, args: tuple, constexprs: dict) -> None:
-    """Runs `kernel` on a persistent grid: as many programs as fit on the GPU at once (or a few
-    under the interpreter), each looping over work items pid, pid + nprog, ..."""
+def _launch(kernel, direction: str, max_items: int, device: torch.device, args: tuple, constexprs: dict) -> None:
+    """Runs `kernel` over up to `max_items` (block, head) items as its LaunchConfig says; the
+    kernel itself reads how many items are real. The interpreter runs a few programs, so each
+    loops over several items."""
+    config = launch_config(direction, constexprs["HEAD_DIM"], constexprs["ROTARY"])
+    constexprs = dict(constexprs, LOOP_STAGES=config.loop_stages if config.persistent else 1)
     if _INTERPRETED or device.type != "cuda":
-        kernel[(min(num_items, _INTERPRETER_PROGRAMS),)](*args, **constexprs)
+        kernel[(min(max_items, _INTERPRETER_PROGRAMS),)](*args, **constexprs)
         return
+    options = dict(num_warps=config.num_warps)
+    if config.maxnreg is not None:
+        options["maxnreg"] = config.maxnreg
     index = device.index if device.index is not None else torch.cuda.current_device()
     # Triton launches on the current device, which need not be the tensors' one.
     with torch.cuda.device(index):
-        key = (kernel, index, args[0].dtype, *constexprs.items())
-        if key not in _OCCUPANCY:
-            _OCCUPANCY[key] = _occupancy(kernel.warmup(*args, grid=(1,), **constexprs), device)
-        num_sms = torch.cuda.get_device_properties(index).multi_processor_count
-        kernel[(min(num_items, num_sms * _OCCUPANCY[key]),)](*args, **constexprs)
+        grid = max_items
+        if config.persistent:
+            key = (kernel, index, args[0].dtype, *constexprs.items(), *options.items())
+            if key not in _OCCUPANCY:
+                _OCCUPANCY[key] = _occupancy(kernel.warmup(*args, grid=(1,), **constexprs, **options), device)
+            num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+            grid = min(max_items, num_sms * _OCCUPANCY[key])
+        kernel[(grid,)](*args, **constexprs, **options)
 
 
 def _shared_strides(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
@@ -222,35 +272,38 @@ def _shared_strides(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
 
 
 def _kernel_constexprs(q: torch.Tensor, rotary: bool, rotate_v: bool) -> dict:
-    head_dim = q.shape[-1]
     return dict(
-        BLOCK=BLOCK_SIZE, HEAD_DIM=head_dim, ROTARY=rotary, ROTATE_V=rotary and rotate_v,
+        BLOCK=BLOCK_SIZE, HEAD_DIM=q.shape[-1], ROTARY=rotary, ROTATE_V=rotary and rotate_v,
         # fp32 inputs are for exactness (tests), so no TF32 rounding; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        LOOP_STAGES=_LOOP_STAGES, num_warps=_NUM_WARPS[head_dim],
     )
 
 
-def _launch_forward(q, k, v, offsets, cos, sin, rotate_v, out) -> None:
+def _block_table(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block_start, block_len, num_blocks): the fixed-size table and, on the device, how many of
+    its rows are real, so kernels skip the unused rows without a host sync. Built once per
+    forward and saved for the backward."""
+    block_start, block_len = block_table(offsets, total_tokens)
+    return block_start, block_len, torch.count_nonzero(block_len)
+
+
+def _launch_forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, out) -> None:
     total_tokens, heads, head_dim = q.shape
     if total_tokens == 0 or heads == 0:
         return
-    block_start, block_len = block_table(offsets, total_tokens)
-    num_items = block_start.numel() * heads
     stride_t, stride_h = _shared_strides((q, k, v))
     args = (
-        q, k, v, cos, sin, out, block_start, block_len,
-        num_items, heads, stride_t, stride_h, out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(head_dim),
+        q, k, v, cos, sin, out, block_start, block_len, num_blocks,
+        heads, stride_t, stride_h, out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(head_dim),
     )
-    _launch_persistent(_block_attention_fwd, num_items, q.device, args, _kernel_constexprs(q, cos is not None, rotate_v))
+    _launch(_block_attention_fwd, "fwd", block_start.numel() * heads, q.device, args,
+            _kernel_constexprs(q, cos is not None, rotate_v))
 
 
-def _launch_backward(grad_out, q, k, v, offsets, cos, sin, rotate_v, dq, dk, dv) -> None:
+def _launch_backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, dq, dk, dv) -> None:
     total_tokens, heads, head_dim = q.shape
     if total_tokens == 0 or heads == 0:
         return
-    block_start, block_len = block_table(offsets, total_tokens)
-    num_items = block_start.numel() * heads
     stride_t, stride_h = _shared_strides((q, k, v))
     grad_stride_t, grad_stride_h = _shared_strides((dq, dk, dv))
     grad_out = grad_out.to(q.dtype)
@@ -258,11 +311,12 @@ def _launch_backward(grad_out, q, k, v, offsets, cos, sin, rotate_v, dq, dk, dv)
         grad_out = grad_out.contiguous()
     sm_scale = 1.0 / math.sqrt(head_dim)
     args = (
-        q, k, v, grad_out, cos, sin, dq, dk, dv, block_start, block_len,
-        num_items, heads, stride_t, stride_h, grad_out.stride(0), grad_out.stride(1),
+        q, k, v, grad_out, cos, sin, dq, dk, dv, block_start, block_len, num_blocks,
+        heads, stride_t, stride_h, grad_out.stride(0), grad_out.stride(1),
         grad_stride_t, grad_stride_h, sm_scale, sm_scale * math.log2(math.e),
     )
-    _launch_persistent(_block_attention_bwd, num_items, q.device, args, _kernel_constexprs(q, cos is not None, rotate_v))
+    _launch(_block_attention_bwd, "bwd", block_start.numel() * heads, q.device, args,
+            _kernel_constexprs(q, cos is not None, rotate_v))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,87 +326,88 @@ def _launch_backward(grad_out, q, k, v, offsets, cos, sin, rotate_v, dq, dk, dv)
 
 @torch.library.custom_op("block_attention::triton_forward", mutates_args=())
 def _forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    block_start: torch.Tensor, block_len: torch.Tensor, num_blocks: torch.Tensor,
     cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool,
 ) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch_forward(q, k, v, offsets, cos, sin, rotate_v, out)
+    _launch_forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, out)
     return out
 
 
 @_forward_op.register_fake
-def _(q, k, v, offsets, cos, sin, rotate_v):
+def _(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
     return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("block_attention::triton_backward", mutates_args=())
 def _backward_op(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    block_start: torch.Tensor, block_len: torch.Tensor, num_blocks: torch.Tensor,
     cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
-    _launch_backward(grad_out, q, k, v, offsets, cos, sin, rotate_v, dq, dk, dv)
+    _launch_backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, dq, dk, dv)
     return dq, dk, dv
 
 
 @_backward_op.register_fake
-def _(grad_out, q, k, v, offsets, cos, sin, rotate_v):
+def _(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
 @torch.library.custom_op("block_attention::triton_qkv_forward", mutates_args=())
 def _qkv_forward_op(
-    qkv: torch.Tensor, offsets: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool
+    qkv: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor, num_blocks: torch.Tensor,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool,
 ) -> torch.Tensor:
     q, k, v = qkv.unbind(1)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch_forward(q, k, v, offsets, cos, sin, rotate_v, out)
+    _launch_forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, out)
     return out
 
 
 @_qkv_forward_op.register_fake
-def _(qkv, offsets, cos, sin, rotate_v):
+def _(qkv, block_start, block_len, num_blocks, cos, sin, rotate_v):
     return qkv.new_empty((qkv.shape[0], qkv.shape[2], qkv.shape[3]))
 
 
 @torch.library.custom_op("block_attention::triton_qkv_backward", mutates_args=())
 def _qkv_backward_op(
-    grad_out: torch.Tensor, qkv: torch.Tensor, offsets: torch.Tensor,
-    cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool,
+    grad_out: torch.Tensor, qkv: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor,
+    num_blocks: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool,
 ) -> torch.Tensor:
     # The kernel writes dq, dk, dv straight into their slots of the packed gradient.
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-    _launch_backward(grad_out, *qkv.unbind(1), offsets, cos, sin, rotate_v, *dqkv.unbind(1))
+    _launch_backward(grad_out, *qkv.unbind(1), block_start, block_len, num_blocks, cos, sin, rotate_v, *dqkv.unbind(1))
     return dqkv
 
 
 @_qkv_backward_op.register_fake
-def _(grad_out, qkv, offsets, cos, sin, rotate_v):
+def _(grad_out, qkv, block_start, block_len, num_blocks, cos, sin, rotate_v):
     return qkv.new_empty(qkv.shape)
 
 
 def _setup_forward(ctx, inputs, output):
-    q, k, v, offsets, cos, sin, rotate_v = inputs
-    ctx.save_for_backward(q, k, v, offsets, cos, sin)
+    *tensors, rotate_v = inputs
+    ctx.save_for_backward(*tensors)
     ctx.rotate_v = rotate_v
 
 
 def _forward_backward(ctx, grad_out):
-    q, k, v, offsets, cos, sin = ctx.saved_tensors
-    dq, dk, dv = _backward_op(grad_out, q, k, v, offsets, cos, sin, ctx.rotate_v)
-    # The rotary tables are functions of position, not parameters: no gradient.
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = _backward_op(grad_out, *ctx.saved_tensors, ctx.rotate_v)
+    # Neither the block table nor the rotary tables (functions of position) get a gradient.
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 def _setup_qkv_forward(ctx, inputs, output):
-    qkv, offsets, cos, sin, rotate_v = inputs
-    ctx.save_for_backward(qkv, offsets, cos, sin)
+    *tensors, rotate_v = inputs
+    ctx.save_for_backward(*tensors)
     ctx.rotate_v = rotate_v
 
 
 def _qkv_forward_backward(ctx, grad_out):
-    qkv, offsets, cos, sin = ctx.saved_tensors
-    return _qkv_backward_op(grad_out, qkv, offsets, cos, sin, ctx.rotate_v), None, None, None, None
+    return _qkv_backward_op(grad_out, *ctx.saved_tensors, ctx.rotate_v), None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_forward_backward, setup_context=_setup_forward)
@@ -418,7 +473,7 @@ def block_attention_triton(q, k, v, offsets, cos=None, sin=None, rotate_v=False)
     _check_rotary(cos, sin, q.shape[0], q.shape[-1], q.device)
     if len({x.stride() for x in (q, k, v)}) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _forward_op(q, k, v, offsets.to(torch.int32), cos, sin, bool(rotate_v))
+    return _forward_op(q, k, v, *_block_table(offsets.to(torch.int32), q.shape[0]), cos, sin, bool(rotate_v))
 
 
 def block_attention_qkv_triton(x, w_qkv, offsets, heads, cos=None, sin=None, rotate_v=False):
@@ -441,4 +496,4 @@ def block_attention_qkv_triton(x, w_qkv, offsets, heads, cos=None, sin=None, rot
     if not torch.compiler.is_compiling() and int(offsets[-1]) != total_tokens:
         raise ValueError(f"offsets[-1] = {int(offsets[-1])} must equal x's {total_tokens} tokens")
     qkv = (x @ w_qkv).view(total_tokens, 3, heads, head_dim)
-    return _qkv_forward_op(qkv, offsets.to(torch.int32), cos, sin, bool(rotate_v))
+    return _qkv_forward_op(qkv, *_block_table(offsets.to(torch.int32), total_tokens), cos, sin, bool(rotate_v))

@@ -13,7 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import Rotary, apply_rotary, check_backend,, block_attention, block_attention_reference, rotary_tables  # noqa: E402
+from kernels import Rotary, apply_rotary, check_backend, block_attention, block_attention_reference, rotary_tables  # noqa: E402
 from kernels.triton_block_attention import (  # noqa: E402
     block_attention_qkv_triton,
     block_attention_triton,
