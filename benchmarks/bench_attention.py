@@ -184,7 +184,8 @@ def ours(backend: str) -> Callable:
         check_backend(backend, inputs.q.device)  # before anything compiles for it
 
         def attend(q, k, v, rotary=None):
-            return block_attention(q, k, v, inputs.offsets, rotary=rotary, backend=backend)
+            # Offsets are valid by construction here, as in the model: skip the check's host read.
+            return block_attention(q, k, v, inputs.offsets, rotary=rotary, backend=backend, check_offsets=False)
 
         return attend
 

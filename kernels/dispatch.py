@@ -152,7 +152,7 @@ def _resolve(name: str, q: torch.Tensor) -> Backend:
     return backend
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> None:
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, check_offsets: bool) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, heads, head_dim), got shape {tuple(x.shape)}")
@@ -172,8 +172,8 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
         raise ValueError(f"offsets must be int32 (int64 is accepted), got {offsets.dtype}")
     if offsets.device != q.device:
         raise ValueError(f"offsets is on {offsets.device} and q is on {q.device}")
-    if torch.compiler.is_compiling():
-        return  # value checks would force a host sync and a graph break inside compiled models
+    if not check_offsets or torch.compiler.is_compiling():
+        return  # value checks force a host sync (and a graph break inside compiled models)
     # One host read for the common, valid case; the details are gathered only to report an error.
     steps = offsets[1:] - offsets[:-1]
     bad = (offsets[0] != 0) | (offsets[-1] != q.shape[0]) | (steps < 0).any()
@@ -196,6 +196,7 @@ def block_attention(
     *,
     rotary: Rotary | None = None,
     backend: str = "auto",
+    check_offsets: bool = True,
 ) -> torch.Tensor:
     """Self-attention restricted to 64-token blocks of jagged sequences.
 
@@ -203,10 +204,12 @@ def block_attention(
     Each sequence is cut into 64-token blocks from its start (the last may be partial); a token
     attends, unmasked, to every token of its own block and to no other, with scale 1/sqrt(head_dim).
     `rotary` rotates q and k (and v if `rotate_v`) first. Returns (total_tokens, heads, head_dim).
+    `check_offsets` reads offsets back once to reject bad values; code that builds offsets itself
+    (the model, from its own lengths) turns it off so no call waits on the device.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown block_attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    _validate(q, k, v, offsets)
+    _validate(q, k, v, offsets, check_offsets)
     offsets = offsets.to(torch.int32)
     chosen = _resolve(backend, q)
     cos = sin = None

@@ -221,3 +221,15 @@ def test_fa2_matches_reference_on_gpu(rotary, dim):
         err = (results["fa2"][i].double() - results["exact"][i]).abs().max()
         ref_err = (results["bf16_ref"][i].double() - results["exact"][i]).abs().max()
         assert err <= 2 * ref_err + 1e-5, f"{name}: fa2 error {err:.3g} vs bf16 reference {ref_err:.3g}"
+
+
+def test_check_offsets_false_skips_only_the_value_check():
+    q, k, v = _inputs()
+    bad = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="offsets"):
+        block_attention(q, k, v, bad)
+    # shape checks still run without the value check
+    with pytest.raises(ValueError, match="offsets must be 1-D"):
+        block_attention(q, k, v, bad[None], check_offsets=False)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32)
+    torch.testing.assert_close(block_attention(q, k, v, good, check_offsets=False), block_attention(q, k, v, good))
