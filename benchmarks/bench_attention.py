@@ -52,8 +52,9 @@ JAGGED_MIN_FRACTION = 0.4  # jagged lengths are uniform in [0.4 * max_len, max_l
 CHECK_SEQUENCES = 4  # each impl's output is checked against the reference on the batch's first sequences
 CHECK_TOLERANCE = 3e-2  # max abs error; bf16 rounding stays well below, a wrong mask or layout errs by ~0.1+
 SEPARATE_ROTARY = "+separate_rotary"
-FLEX_TILE = 64  # FlexAttention tiles matched to our 64-token blocks; kernel tiles set to match (FLEX_KERNEL_OPTIONS)
-FLEX_KERNEL_OPTIONS = {"BLOCK_M": FLEX_TILE, "BLOCK_N": FLEX_TILE}
+# FlexAttention's sparse tile. 128 is its default, which its default kernel configs accept; 64
+# (`--flex-tile 64`) matches our blocks and asks for 64x64 kernel tiles, which inductor may reject.
+FLEX_TILE = 128
 
 SHAPES = {
     "full": ("1024x512x4x128", "2048x256x4x64", "512x1024x8x64"),
@@ -246,7 +247,7 @@ def flex_block_mask(offsets: torch.Tensor, tokens: int, full_blocks: bool):
             return block_of_token[q_idx] == block_of_token[kv_idx]
 
     tiles = -(-tokens // FLEX_TILE)
-    if full_blocks:
+    if full_blocks and FLEX_TILE == BLOCK_SIZE:
         # Every 64-token block is exactly one tile that attends to itself unmasked: a "full" kv
         # tile, so the kernel skips mask_mod entirely, the best case FlexAttention has.
         # from_kv_blocks takes [tiles, tiles] index tables (it transposes them densely); a row's
@@ -283,12 +284,13 @@ def flex(inputs: Inputs) -> Callable:
     _require_cuda(inputs, "FlexAttention's backward")
     block_mask = flex_block_mask(inputs.offsets, inputs.tokens, full_blocks=not inputs.shape.jagged)
     flex_attention = compiled_flex_attention()
+    kernel_options = {"BLOCK_M": FLEX_TILE, "BLOCK_N": FLEX_TILE} if FLEX_TILE < 128 else None
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(0, 1).unsqueeze(0)
 
     def attend(q, k, v):
-        return flex_attention(heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask, kernel_options=FLEX_KERNEL_OPTIONS)[0].transpose(0, 1)
+        return flex_attention(heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask, kernel_options=kernel_options)[0].transpose(0, 1)
 
     return attend
 
@@ -660,6 +662,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--shapes", default="full,jagged",
         help="comma-separated: `full`, `jagged` (the standard sets) or explicit BxSxHxD / jagged:BxMAXLENxHxD labels",
     )
+    parser.add_argument("--flex-tile", type=int, choices=(64, 128), default=FLEX_TILE, help="FlexAttention sparse/kernel tile")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from: {', '.join(IMPLS)}")
     parser.add_argument("--rotary", choices=("both", "off", "on"), default="both")
     parser.add_argument("--quick", action="store_true", help="one shape per kind, short timing: a fast GPU smoke run")
@@ -689,7 +692,11 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device
     # Compiled backward graphs donate their buffers by default, which forbids replaying one
     # backward (retain_graph) for the bwd-only timing; keep them replayable for every impl alike.
+    import torch._functorch.config
+
     torch._functorch.config.donated_buffer = False
+    global FLEX_TILE
+    FLEX_TILE = args.flex_tile
     warmup_ms, rep_ms = (5, 20) if args.quick else (25, 100)
     copy_bytes = 64 * 2**20 if device.type == "cpu" else 2**30 if args.quick else 4 * 2**30
     timer = make_timer(device, warmup_ms, rep_ms)
@@ -703,6 +710,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {
             "timer": "triton.testing.do_bench" if device.type == "cuda" else "time.perf_counter",
             "warmup_ms": warmup_ms, "rep_ms": rep_ms, "copy_bytes": copy_bytes, "dtype": args.dtype, "seed": args.seed,
+            "flex_tile": FLEX_TILE,
         },
         "copy_bw_tbps": None,
         "rows": [],

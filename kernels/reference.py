@@ -27,6 +27,7 @@ def block_attention_reference(
     With `upcast` the math runs in fp32 (fp64 inputs stay fp64); without it, in the input dtype,
     which is the "same-precision PyTorch" yardstick kernel errors are judged against.
     """
+    out_dtype = q.dtype
     compute_dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
     if cos is not None:
         q, k = apply_rotary(q.to(compute_dtype), cos, sin), apply_rotary(k.to(compute_dtype), cos, sin)
@@ -35,7 +36,7 @@ def block_attention_reference(
     total_tokens, heads, head_dim = q.shape
     out = torch.empty((total_tokens, heads, head_dim), dtype=compute_dtype, device=q.device)
     if total_tokens == 0:
-        return out.to(q.dtype)
+        return out.to(out_dtype)
 
     block_start, block_len = block_table(offsets, total_tokens)
     real = block_len > 0  # the table's unused tail rows own no tokens
@@ -51,4 +52,4 @@ def block_attention_reference(
     probs = torch.softmax(scores, dim=-1)
     out_tiles = torch.einsum("bhij,bjhd->bihd", probs, v_tiles)
     out = out.index_put((token[valid],), out_tiles[valid])
-    return out.to(q.dtype)
+    return out.to(out_dtype)

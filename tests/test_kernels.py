@@ -233,3 +233,9 @@ def test_check_offsets_false_skips_only_the_value_check():
         block_attention(q, k, v, bad[None], check_offsets=False)
     good = torch.tensor([0, 4, 10], dtype=torch.int32)
     torch.testing.assert_close(block_attention(q, k, v, good, check_offsets=False), block_attention(q, k, v, good))
+
+
+@pytest.mark.parametrize("rotary", [None, Rotary(rotate_v=True)])
+def test_reference_returns_the_input_dtype(rotary):
+    q, k, v = (x.detach().to(torch.bfloat16) for x in random_qkv(70, 2, 16))
+    assert block_attention(q, k, v, make_offsets([70]), rotary=rotary, backend="reference").dtype == torch.bfloat16
