@@ -1,0 +1,304 @@
+"""benchmarks/compare_backends.py: a tiny CPU comparison end to end (the reference backend against
+itself), the parity rule on synthetic curves, kernel parity, bad input, and the notebook."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from nbclient import NotebookClient
+
+from benchmarks import compare_backends as cb
+from benchmarks.kernel_parity import UnsupportedConfigError, kernel_errors
+from kernels import Rotary
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 24  # warmup_steps(24) = 12, so 12 timed steps per run and two validations at 12 and 24
+TINY = ["--config", "configs/tiny.yaml", "--steps", str(STEPS), "--seeds", "2", "--trainer.val_check_interval=12"]
+
+
+def call_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Runs the CLI in-process: (exit status, stdout, stderr). argparse errors exit through SystemExit."""
+    try:
+        code = cb.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, list[str]]:
+    """One `reference reference` comparison, run as a user would; (its --out folder, its arguments)."""
+    root = tmp_path_factory.mktemp("compare")
+    args = ["--attn", "reference", "reference", *TINY, "--out", str(root / "out"), f"--data.data_dir={root / 'cache'}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare_backends", *args], cwd=REPO, capture_output=True, text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Parity: PASS" in result.stdout
+    return root / "out", args
+
+
+@pytest.fixture
+def tiny_copy(tiny, tmp_path) -> Path:
+    copy = tmp_path / "out"
+    shutil.copytree(tiny[0], copy, ignore=shutil.ignore_patterns("*.ckpt"))
+    return copy
+
+
+def test_identical_backends_write_every_file_and_pass(tiny):
+    out, _ = tiny
+    for name in ("compare.json", "compare.md", "loss_curves.png", "settings.json", "kernel_parity.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((out / "compare.json").read_text())
+    for key in ("step_time_ms", "speedup_vs_fa2", "parity", "kernel_errors", "config", "backends", "seeds", "steps",
+                "device", "versions", "date", "command", "runs"):
+        assert key in report, key
+    assert report["backends"] == {"reference": "reference", "reference_2": "reference"}
+    assert report["seeds"] == [0, 1] and report["steps"] == STEPS and report["warmup_steps"] == 12
+    assert [(r["label"], r["seed"], r["status"]) for r in report["runs"]] == [
+        ("reference", 0, "ok"), ("reference_2", 0, "ok"), ("reference", 1, "ok"), ("reference_2", 1, "ok")
+    ]
+    assert all(report["step_time_ms"][label] > 0 for label in report["backends"])
+    assert report["timed_steps"] == {"reference": 24, "reference_2": 24}  # 12 steps after warmup x 2 seeds
+    assert report["speedup_vs_fa2"]["reference"] == 1.0
+    assert report["speedup_baseline"] == "reference" and "fa2 is not in this comparison" in report["speedup_note"]
+
+    parity = report["parity"]
+    assert parity["pass"] is True and isinstance(parity["rule"], str) and parity["problems"] == []
+    # Same seed, same data order, deterministic CPU kernels: the two backends train identically.
+    entry = parity["backends"]["reference_2"]
+    assert entry["max_loss_gap"] == 0 and entry["steps_checked"] == STEPS - 12
+    assert entry["band_at_step"] > 0  # the seeds differ, so the band is real noise
+    assert all(result["diff"] == 0 for result in entry["final"].values())
+    assert 0.3 < report["final_metrics"]["reference"]["auc"]["mean"] < 1
+
+    reference = report["kernel_errors"]["backends"]["reference"]
+    assert report["kernel_errors"]["settings"]["dtype"] == "float32"
+    assert report["kernel_errors"]["settings"]["heads"] == 2 and report["kernel_errors"]["settings"]["head_dim"] == 16
+    assert all(0 < reference[t]["max_abs"] < 1e-5 for t in ("out", "dq", "dk", "dv"))
+
+    markdown = (out / "compare.md").read_text()
+    assert "**Parity: PASS**" in markdown and "| reference_2 |" in markdown and "loss_curves.png" in markdown
+
+
+def test_rerun_reuses_finished_runs_and_report_rerenders(tiny, capsys):
+    out, args = tiny
+    (out / "compare.md").unlink()
+    code, stdout, _ = call_main(args, capsys)
+    assert code == 0
+    assert stdout.count("reusing the finished run") == 4 and "training" not in stdout
+    assert (out / "compare.md").exists()
+    (out / "loss_curves.png").unlink()
+    assert call_main(["report", str(out)], capsys)[0] == 0
+    assert (out / "loss_curves.png").exists()
+
+
+def test_crashed_run_is_reported_and_the_others_are_kept(tiny_copy):
+    run_dir = tiny_copy / "runs" / "reference_2-seed1"
+    shutil.rmtree(run_dir)
+    crash = "import sys; print('RuntimeError: the kernel exploded', file=sys.stderr); sys.exit(3)"
+    identity = {"label": "reference_2", "backend": "reference", "seed": 1}
+    record = cb.launch_run([sys.executable, "-c", crash], run_dir, identity)
+    assert record["returncode"] == 3 and record["version"] is None
+
+    report = cb.write_report(tiny_copy)
+    crashed = [r for r in report["runs"] if r["status"] != "ok"]
+    assert [(r["label"], r["seed"], r["status"], r["returncode"]) for r in crashed] == [("reference_2", 1, "failed", 3)]
+    assert crashed[0]["stderr_tail"] == ["RuntimeError: the kernel exploded"]
+    assert report["parity"]["pass"] is False
+    assert "reference_2 seed 1: failed with exit code 3" in report["parity"]["problems"]
+    assert report["timed_steps"] == {"reference": 24, "reference_2": 12}  # seed 0 of reference_2 still counts
+    markdown = (tiny_copy / "compare.md").read_text()
+    assert "**Parity: FAIL**" in markdown and "exit code 3" in markdown and "the kernel exploded" in markdown
+
+
+# ------------------------------------------------------------------------------------- parity rule
+
+
+def synthetic_losses(rng: np.random.Generator, seeds: int = 3, steps: int = 300, shift: float = 0.0) -> pd.DataFrame:
+    """Loss curves sharing one batch-noise sequence (same data order), each seed with its own slow drift."""
+    step = np.arange(steps)
+    base = 0.45 + 0.3 * np.exp(-step / 60) + 0.02 * np.random.default_rng(0).standard_normal(steps)
+    curves = {}
+    for seed in range(seeds):
+        drift = np.cumsum(rng.standard_normal(steps)) * 0.0005
+        curves[seed] = base + drift + 0.003 * rng.standard_normal(steps) + np.where(step >= 100, shift, 0.0)
+    return pd.DataFrame(curves, index=step)
+
+
+def synthetic_finals(rng: np.random.Generator, seeds: int = 3, auc_shift: float = 0.0) -> pd.DataFrame:
+    return pd.DataFrame(
+        {"auc": 0.75 + auc_shift + 0.001 * rng.standard_normal(seeds), "ne": 0.85 + 0.001 * rng.standard_normal(seeds),
+         "logloss": 0.48 + 0.001 * rng.standard_normal(seeds)}
+    )
+
+
+def test_verdict_passes_backends_that_differ_only_by_seed_noise_almost_always():
+    verdicts = []
+    for trial in range(40):
+        rng = np.random.default_rng(trial)
+        losses = {"fa2": synthetic_losses(rng), "tlx": synthetic_losses(rng)}
+        finals = {"fa2": synthetic_finals(rng), "tlx": synthetic_finals(rng)}
+        verdicts.append(cb.parity_verdict(losses, finals, "fa2", warmup=30))
+    assert all(v["backends"]["tlx"]["max_loss_gap"] != 0 for v in verdicts)
+    # The rule trades power for few false alarms: ~1% from the curves, ~2% per final metric.
+    assert sum(v["backends"]["tlx"]["loss_pass"] for v in verdicts) >= 38
+    assert sum(v["pass"] for v in verdicts) >= 34
+
+
+def test_verdict_fails_a_shifted_loss_curve_from_where_it_shifts():
+    rng = np.random.default_rng(1)
+    losses = {"fa2": synthetic_losses(rng), "tlx": synthetic_losses(rng, shift=0.05)}
+    finals = {"fa2": synthetic_finals(rng), "tlx": synthetic_finals(rng)}
+    verdict = cb.parity_verdict(losses, finals, "fa2", warmup=30)
+    entry = verdict["backends"]["tlx"]
+    assert not verdict["pass"] and not entry["loss_pass"]
+    assert 95 <= entry["first_step_outside"] <= 105  # the shift starts at step 100 (smoothing blurs it by 2 steps)
+    assert entry["max_loss_gap"] > 0.04
+    assert all(result["pass"] for result in entry["final"].values())
+    for trial in range(10):
+        rng = np.random.default_rng(100 + trial)
+        losses = {"fa2": synthetic_losses(rng), "tlx": synthetic_losses(rng, shift=0.05)}
+        assert not cb.parity_verdict(losses, finals, "fa2", warmup=30)["backends"]["tlx"]["loss_pass"]
+
+
+def test_verdict_fails_a_final_auc_gap_beyond_seed_noise():
+    rng = np.random.default_rng(2)
+    losses = {"ref": synthetic_losses(rng), "triton": synthetic_losses(rng)}
+    finals = {"ref": synthetic_finals(rng), "triton": synthetic_finals(rng, auc_shift=-0.01)}
+    verdict = cb.parity_verdict(losses, finals, "ref", warmup=30)
+    final = verdict["backends"]["triton"]["final"]
+    assert not verdict["pass"] and verdict["backends"]["triton"]["loss_pass"]
+    assert not final["auc"]["pass"] and final["ne"]["pass"] and final["logloss"]["pass"]
+    assert final["auc"]["diff"] == pytest.approx(-0.01, abs=0.003)
+
+
+def test_verdict_fails_when_a_run_is_missing_and_notes_a_single_seed():
+    rng = np.random.default_rng(3)
+    losses = {"fa2": synthetic_losses(rng, seeds=1), "tlx": synthetic_losses(rng, seeds=1)}
+    finals = {"fa2": synthetic_finals(rng, seeds=1), "tlx": synthetic_finals(rng, seeds=1)}
+    losses["tlx"] = losses["fa2"].copy()
+    finals["tlx"] = finals["fa2"].copy()
+    assert cb.parity_verdict(losses, finals, "fa2", warmup=30)["pass"]
+    assert "no seed band" in cb.parity_verdict(losses, finals, "fa2", warmup=30)["note"]
+    verdict = cb.parity_verdict(losses, finals, "fa2", warmup=30, problems=["tlx seed 1: failed with exit code 1"])
+    assert not verdict["pass"]
+    verdict = cb.parity_verdict({"fa2": losses["fa2"], "tlx": pd.DataFrame()}, finals, "fa2", warmup=30)
+    assert not verdict["pass"] and "tlx: no finished run to compare" in verdict["problems"]
+
+
+def test_warmup_rule():
+    assert [cb.warmup_steps(n) for n in (2000, 1000, 100, 24, 1)] == [200, 100, 20, 12, 0]
+
+
+# ---------------------------------------------------------------------------------- kernel parity
+
+
+def test_kernel_errors_scale_with_the_kernel_dtype():
+    rotary = Rotary()
+    fp32 = kernel_errors(["reference"], torch.device("cpu"), torch.float32, 2, 32, rotary)["backends"]["reference"]
+    bf16 = kernel_errors(["reference"], torch.device("cpu"), torch.bfloat16, 2, 32, rotary)["backends"]["reference"]
+    for tensor in ("out", "dq", "dk", "dv"):
+        assert 0 < fp32[tensor]["max_abs"] < 1e-5 and fp32[tensor]["dtype"] == "float32"
+    for tensor in ("dq", "dk", "dv"):  # returned in bf16: the rounding shows, and stays bounded
+        assert bf16[tensor]["dtype"] == "bfloat16"
+        assert 1e-4 < bf16[tensor]["max_rel"] < 0.02
+
+
+def test_kernel_parity_rejects_inputs_a_backend_does_not_support(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets `triton` pass the device check on CPU
+    with pytest.raises(UnsupportedConfigError, match="head_dim 16"):
+        kernel_errors(["reference", "triton"], torch.device("cpu"), torch.float32, 2, 16, Rotary())
+
+
+# ------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--attn", "bogus", "reference"], "invalid choice: 'bogus'"),
+        (["--attn", "reference"], "at least two backends"),
+        (["--attn", "tlx", "reference", "--config", "configs/tiny.yaml"], "'tlx' cannot run here"),
+        (["--attn", "reference", "reference", "--seed_everything=3"], "sets --seed_everything itself"),
+        (["--attn", "reference", "reference", "--model.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
+        (["--attn", "reference", "reference", "--model.bogus=3"], "unrecognized arguments: --model.bogus=3"),
+    ],
+)
+def test_bad_arguments_give_a_clear_error_before_anything_runs(argv, message, tmp_path, capsys):
+    code, _, err = call_main([*argv, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_reused_out_folder_with_another_config_is_refused(tiny, capsys):
+    out, args = tiny
+    changed = [("20" if a == str(STEPS) else a) for a in args]  # --steps 20
+    code, _, err = call_main(changed, capsys)
+    assert code == 2
+    assert "trainer.max_steps = 20 in this command, 24 in" in err
+
+
+def test_run_trained_with_another_config_is_refused(tiny_copy, capsys):
+    saved = tiny_copy / "runs" / "reference-seed1" / "version_0" / "config.yaml"
+    config = yaml.safe_load(saved.read_text())
+    config["model"]["d_model"] = 48
+    saved.write_text(yaml.safe_dump(config))
+    code, _, err = call_main(["report", str(tiny_copy)], capsys)
+    assert code == 2
+    assert "was trained with a different config: model.d_model = 48" in err
+
+
+def test_out_folder_that_is_not_a_comparison_is_refused(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    argv = ["--attn", "reference", "reference", "--config", "configs/tiny.yaml", "--out", str(tmp_path)]
+    code, _, err = call_main(argv, capsys)
+    assert code == 2 and "is not empty and holds no settings.json" in err
+
+
+@pytest.mark.parametrize("make, message", [(False, "does not exist"), (True, "is empty")])
+def test_report_on_a_missing_or_empty_folder_is_refused(make, message, tmp_path, capsys):
+    folder = tmp_path / "out"
+    if make:
+        folder.mkdir()
+    code, _, err = call_main(["report", str(folder)], capsys)
+    assert code == 2 and message in err
+    with pytest.raises(cb.CompareError, match=message):  # what the notebook sees
+        cb.load_comparison(folder)
+
+
+def test_train_py_compare_hook():
+    result = subprocess.run(
+        [sys.executable, "train.py", "compare", "report", "/nonexistent/compare"], cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "comparison folder /nonexistent/compare does not exist" in result.stderr
+
+
+# -------------------------------------------------------------------------------------- notebook
+
+
+def test_notebook_executes_on_the_comparison_folder(tiny, monkeypatch):
+    monkeypatch.setenv("COMPARE_DIR", str(tiny[0]))
+    notebook = nbformat.read(REPO / "notebooks" / "compare_backends.ipynb", as_version=4)
+    NotebookClient(
+        notebook, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(REPO / "notebooks")}}
+    ).execute()
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    markdown = "".join(o["data"].get("text/markdown", "") for o in outputs if "data" in o)
+    assert "**Parity: PASS**" in markdown
