@@ -2,6 +2,7 @@
 formula, the fa2 backend against the reference (CUDA only), and every input/backend error."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -239,3 +240,13 @@ def test_check_offsets_false_skips_only_the_value_check():
 def test_reference_returns_the_input_dtype(rotary):
     q, k, v = (x.detach().to(torch.bfloat16) for x in random_qkv(70, 2, 16))
     assert block_attention(q, k, v, make_offsets([70]), rotary=rotary, backend="reference").dtype == torch.bfloat16
+
+
+def test_auto_on_cpu_never_picks_the_triton_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _inputs(70, 2, 32)
+    offsets = make_offsets([70])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either: reference is the plan on CPU
+        out = block_attention(q, k, v, offsets)
+    assert torch.equal(out, block_attention(q, k, v, offsets, backend="reference"))
