@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     callbacks = [
         # Two checkpointers: Lightning 2.6 only refreshes a monitoring checkpointer's
         # last.ckpt when the monitored metric improved, and resuming wants the latest state.
-        ModelCheckpoint(monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}", auto_insert_metric_name=False),
+        ModelCheckpoint(
+            monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}", auto_insert_metric_name=False
+        ),
         ModelCheckpoint(filename="last"),  # overwritten at every validation
         SaveConfigCallback(parser, config),
     ]

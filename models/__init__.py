@@ -1,0 +1,3 @@
+from models.ranking import JaggedTokens, RankingModel, RankingModelConfig
+
+__all__ = ["JaggedTokens", "RankingModel", "RankingModelConfig"]

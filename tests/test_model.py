@@ -1,0 +1,199 @@
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchrec import KeyedJaggedTensor
+
+from data.batch import Batch
+from data.schema import FeatureSchema
+from models import RankingModel, RankingModelConfig
+
+SCHEMA = FeatureSchema(
+    dense=("d0", "d1", "d2"),
+    categorical=(("user", 11), ("ad", 13)),
+    sequence=(("clicks", 17, 100), ("views", 19, 8)),
+)
+CONFIG = RankingModelConfig(d_model=32, num_heads=2, num_layers=2, mlp_ratio=2, embedding_dim=8, n_dense_tokens=2)
+FIXED_TOKENS = CONFIG.n_dense_tokens + len(SCHEMA.categorical)
+
+
+def make_batch(clicks_lengths: list[int], views_lengths: list[int], seed: int = 0) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    batch_size = len(clicks_lengths)
+    sparse = KeyedJaggedTensor(
+        keys=["user", "ad"],
+        values=torch.cat([torch.randint(0, 11, (batch_size,), generator=generator),
+                          torch.randint(0, 13, (batch_size,), generator=generator)]),
+        lengths=torch.ones(2 * batch_size, dtype=torch.int32),
+        stride=batch_size,
+    )
+    sequence = KeyedJaggedTensor(
+        keys=["clicks", "views"],
+        values=torch.cat([torch.randint(0, 17, (sum(clicks_lengths),), generator=generator),
+                          torch.randint(0, 19, (sum(views_lengths),), generator=generator)]),
+        lengths=torch.tensor(clicks_lengths + views_lengths, dtype=torch.int32),
+        stride=batch_size,
+    )
+    return Batch(
+        dense=torch.randn(batch_size, 3, generator=generator),
+        sparse=sparse,
+        sequence=sequence,
+        labels=torch.randint(0, 2, (batch_size,), generator=generator).float(),
+    )
+
+
+@pytest.fixture
+def model() -> RankingModel:
+    torch.manual_seed(0)
+    return RankingModel(SCHEMA, CONFIG)
+
+
+def expected_tokens(model: RankingModel, batch: Batch) -> list[torch.Tensor]:
+    """Each sample's token matrix built one sample at a time, straight from the layout's definition."""
+    slot = model.slot_embedding.weight
+    user, ad = batch.sparse["user"].values(), batch.sparse["ad"].values()
+    tables = model.categorical_embeddings.embedding_bags
+    sequence_tables = model.sequence_embeddings.embeddings
+    samples = []
+    for b in range(batch.batch_size):
+        rows = list(model.dense_mlp(batch.dense[b]).view(CONFIG.n_dense_tokens, CONFIG.d_model))
+        rows.append(model.embedding_proj(tables["t_user"].weight[user[b]]))
+        rows.append(model.embedding_proj(tables["t_ad"].weight[ad[b]]))
+        rows = [row + slot[i] for i, row in enumerate(rows)]
+        for slot_index, name in enumerate(("clicks", "views"), start=FIXED_TOKENS):
+            jagged = batch.sequence[name]
+            ids = jagged.values()[jagged.offsets()[b]: jagged.offsets()[b + 1]]
+            rows.extend(model.embedding_proj(sequence_tables[f"t_{name}"].weight[i]) + slot[slot_index] for i in ids)
+        samples.append(torch.stack(rows))
+    return samples
+
+
+def test_tokens_and_offsets_follow_the_layout(model):
+    # 0 and 70 history items: an empty history, and one that spills into a second 64-token block.
+    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    tokens = model.build_tokens(batch)
+    lengths = [FIXED_TOKENS + 0 + 2, FIXED_TOKENS + 70 + 0, FIXED_TOKENS + 3 + 5]
+    assert tokens.offsets.dtype == torch.int32
+    assert tokens.offsets.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    assert tokens.values.shape == (sum(lengths), CONFIG.d_model)
+    assert tokens.sample_ids.tolist() == [b for b, n in enumerate(lengths) for _ in range(n)]
+    expected = torch.cat(expected_tokens(model, batch))
+    torch.testing.assert_close(tokens.values, expected)
+
+
+def test_features_out_of_schema_order_are_rejected(model):
+    batch = make_batch(clicks_lengths=[4, 1], views_lengths=[0, 3])
+    batch.sequence = KeyedJaggedTensor(
+        keys=["views", "clicks"], values=batch.sequence.values(), lengths=batch.sequence.lengths(), stride=2
+    )
+    with pytest.raises(ValueError, match=r"batch.sequence has keys \['views', 'clicks'\]"):
+        model(batch)
+
+
+def test_forward_shapes_and_loss(model):
+    batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
+    logits, tokens = model(batch)
+    assert logits.shape == (4,)
+    assert torch.isfinite(logits).all()
+    assert tokens.num_tokens == 4 * FIXED_TOKENS + 173 + 15
+    loss = model.loss(logits, batch.labels)
+    assert loss.shape == () and loss.item() > 0
+
+
+def test_samples_do_not_see_each_other(model):
+    # Changing sample 1's history must leave sample 0's logit untouched: attention and
+    # pooling both stay inside each sample's slice of the jagged tensor.
+    batch = make_batch(clicks_lengths=[5, 70], views_lengths=[1, 2])
+    clicks, views = batch.sequence["clicks"].values(), batch.sequence["views"].values()
+    changed = Batch(
+        dense=batch.dense,
+        sparse=batch.sparse,
+        sequence=KeyedJaggedTensor(
+            keys=["clicks", "views"],
+            values=torch.cat([clicks[:5], torch.randint(0, 17, (30,)), views]),
+            lengths=torch.tensor([5, 30, 1, 2], dtype=torch.int32),
+            stride=2,
+        ),
+        labels=batch.labels,
+    )
+    logits, _ = model(batch)
+    changed_logits, _ = model(changed)
+    torch.testing.assert_close(changed_logits[0], logits[0])
+    assert not torch.allclose(changed_logits[1], logits[1])
+
+
+def test_gradients_reach_every_parameter(model):
+    batch = make_batch(clicks_lengths=[0, 70, 3, 12], views_lengths=[2, 0, 5, 8])
+    logits, _ = model(batch)
+    model.loss(logits, batch.labels).backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+    # Only the looked-up rows of an embedding table get a gradient.
+    user_grad = model.categorical_embeddings.embedding_bags["t_user"].weight.grad
+    used = set(batch.sparse["user"].values().tolist())
+    assert {i for i in range(11) if user_grad[i].abs().sum() > 0} == used
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.namespaces = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.namespaces.add(func.namespace)
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_and_backward_need_no_fbgemm_ops(model):
+    # The GPU setup ships the CPU build of fbgemm (its ops have no CUDA kernels), so the
+    # plain EBC/EC path must not call any to run on CUDA.
+    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    with RecordOps() as recorded:
+        logits, _ = model(batch)
+        model.loss(logits, batch.labels).backward()
+    assert "aten" in recorded.namespaces  # the recorder saw the ops
+    assert "fbgemm" not in recorded.namespaces
+
+
+def test_schema_without_sequences():
+    # Criteo has no history: every sample is just its dense and categorical tokens.
+    schema = FeatureSchema(dense=("d0",), categorical=(("user", 11),), sequence=())
+    model = RankingModel(schema, CONFIG)
+    batch = Batch(
+        dense=torch.randn(3, 1),
+        sparse=KeyedJaggedTensor(
+            keys=["user"], values=torch.tensor([1, 2, 3]), lengths=torch.ones(3, dtype=torch.int32), stride=3
+        ),
+        sequence=KeyedJaggedTensor(
+            keys=[], values=torch.empty(0, dtype=torch.int64), lengths=torch.empty(0, dtype=torch.int32), stride=3
+        ),
+        labels=torch.tensor([0.0, 1.0, 0.0]),
+    )
+    logits, tokens = model(batch)
+    assert logits.shape == (3,)
+    assert tokens.offsets.tolist() == [0, 3, 6, 9]
+
+
+def test_bf16_autocast_matches_fp32(model):
+    # What precision: bf16-mixed does: Linear outputs, hence q, k, v, are bf16.
+    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    expected, _ = model(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(batch)
+        loss = model.loss(logits, batch.labels)
+    loss.backward()
+    torch.testing.assert_close(logits.float(), expected, atol=0.05, rtol=0.05)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"d_model": 30, "num_heads": 4}, "divisible"),
+        ({"d_model": 30, "num_heads": 2}, "even"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"attn_backend": "cuda"}, "attn_backend"),
+    ],
+)
+def test_config_rejects_bad_sizes(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        RankingModelConfig(**overrides)
