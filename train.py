@@ -12,6 +12,7 @@ Each run writes runs/<run_name>/version_N/: config.yaml (the resolved config), m
 TensorBoard events and checkpoints/.
 """
 
+import json
 import math
 import sys
 import time
@@ -29,6 +30,7 @@ from torchmetrics.classification import BinaryAUROC
 
 import kernels
 from data.batch import Batch
+from data.baseline import logistic_regression_auc
 from data.datamodule import CTRDataModule
 from data.schema import FeatureSchema
 from models import RankingModel, RankingModelConfig
@@ -166,6 +168,11 @@ def build_parser() -> LightningArgumentParser:
         help="shortcut for --model.attn_backend",
     )
     parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume training from")
+    parser.add_argument(
+        "--baseline", type=bool, default=False,
+        help="after training, fit a logistic regression (no feature interactions) on the same split "
+        "and report both validation AUCs in <run folder>/baseline.json",
+    )
     parser.add_class_arguments(RankingModelConfig, "model")
     # RankingTask's own arguments (schema and model aside) are the optimizer settings.
     parser.add_class_arguments(RankingTask, "optim", instantiate=False, skip={"schema", "model"})
@@ -221,6 +228,19 @@ def main(argv: list[str] | None = None) -> None:
     datamodule: CTRDataModule = objects.data
     task = RankingTask(datamodule.schema, objects.model, **objects.optim)
     trainer.fit(task, datamodule=datamodule, ckpt_path=config.ckpt_path)
+    if config.baseline:
+        report_baseline(trainer, datamodule, Path(csv_logger.log_dir))
+
+
+def report_baseline(trainer: L.Trainer, datamodule: CTRDataModule, run_dir: Path) -> None:
+    """The bar the interaction model must clear: an additive logistic regression, same split."""
+    baseline_auc = logistic_regression_auc(
+        datamodule.schema, datamodule.train_dataloader(), datamodule.val_dataloader(), seed=0
+    )
+    model_auc = float(trainer.callback_metrics["val/auc"])
+    result = {"model_val_auc": model_auc, "logistic_regression_val_auc": baseline_auc}
+    (run_dir / "baseline.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"validation AUC: model {model_auc:.4f}, logistic regression {baseline_auc:.4f}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ try:
     import triton.language.extra.tlx as tlx
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from .triton_block_attention import rotate_pairs  # one rotary tile helper for both kernels
+
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all
     HAS_TLX = False
@@ -143,18 +145,6 @@ def _consumer_regs(num_consumers: int) -> int:
 if HAS_TLX:
 
     @triton.jit
-    def _rope(x, c, s, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INVERSE: tl.constexpr):
-        # Interleaved (GPT-J) pairs: x[2i], x[2i+1] rotate by (c_i, s_i); INVERSE uses (c, -s).
-        x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BLOCK, HEAD_DIM // 2, 2)))
-        if INVERSE:
-            y0 = x0 * c + x1 * s
-            y1 = x1 * c - x0 * s
-        else:
-            y0 = x0 * c - x1 * s
-            y1 = x0 * s + x1 * c
-        return tl.reshape(tl.join(y0, y1), (BLOCK, HEAD_DIM))
-
-    @triton.jit
     def _num_local_items(num_blocks_ptr, H):
         # Every partition computes the same trip count from the same device scalar, so the
         # producer and consumers agree on which items exist and the barrier phases stay paired.
@@ -243,11 +233,11 @@ if HAS_TLX:
                         s = tlx.local_load(sin_bufs[slot])
                         # Rotated q feeds wgmma from registers; rotated k (and v) must be B operands,
                         # so they overwrite their own slot, fenced before the async proxy reads them.
-                        q_rot = _rope(tlx.local_load(q_bufs[slot]), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                        k_rot = _rope(tlx.local_load(k_bufs[slot]), c, s, BLOCK, HEAD_DIM, False).to(dtype)
+                        q_rot = rotate_pairs(tlx.local_load(q_bufs[slot]).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
+                        k_rot = rotate_pairs(tlx.local_load(k_bufs[slot]).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
                         tlx.local_store(k_bufs[slot], k_rot)
                         if ROTATE_V:
-                            v_rot = _rope(tlx.local_load(v_bufs[slot]), c, s, BLOCK, HEAD_DIM, False).to(dtype)
+                            v_rot = rotate_pairs(tlx.local_load(v_bufs[slot]).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
                             tlx.local_store(v_bufs[slot], v_rot)
                         tlx.fence_async_shared()
                         qk = tlx.async_dot(q_rot, tlx.local_trans(k_bufs[slot]))
@@ -350,12 +340,12 @@ if HAS_TLX:
                         # B^T of S and dP), so they replace the raw tiles in the slot.
                         c = tlx.local_load(cos_bufs[slot])
                         s = tlx.local_load(sin_bufs[slot])
-                        q_rot = _rope(tlx.local_load(q_s), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                        k_rot = _rope(tlx.local_load(k_s), c, s, BLOCK, HEAD_DIM, False).to(dtype)
+                        q_rot = rotate_pairs(tlx.local_load(q_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
+                        k_rot = rotate_pairs(tlx.local_load(k_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
                         tlx.local_store(q_s, q_rot)
                         tlx.local_store(k_s, k_rot)
                         if ROTATE_V:
-                            v_rot = _rope(tlx.local_load(v_s), c, s, BLOCK, HEAD_DIM, False).to(dtype)
+                            v_rot = rotate_pairs(tlx.local_load(v_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
                             tlx.local_store(v_s, v_rot)
                         tlx.fence_async_shared()
 
@@ -386,7 +376,7 @@ if HAS_TLX:
                     if ROTARY and ROTATE_V:
                         c = tlx.local_load(cos_bufs[slot])
                         s = tlx.local_load(sin_bufs[slot])
-                        dv = _rope(dv, c, s, BLOCK, HEAD_DIM, True)
+                        dv = rotate_pairs(dv, c, s, BLOCK, HEAD_DIM, True)
                     _store_tile(dv_ptr, dv, start, length, head, stride_t, BLOCK, HEAD_DIM)
 
                     dk = tlx.async_dot(dsT_buf, q_s)
@@ -394,7 +384,7 @@ if HAS_TLX:
                     if ROTARY:
                         c = tlx.local_load(cos_bufs[slot])
                         s = tlx.local_load(sin_bufs[slot])
-                        dk = _rope(dk, c, s, BLOCK, HEAD_DIM, True)
+                        dk = rotate_pairs(dk, c, s, BLOCK, HEAD_DIM, True)
                     _store_tile(dk_ptr, dk, start, length, head, stride_t, BLOCK, HEAD_DIM)
 
                     dq = tlx.async_dot(ds_lp, k_s)
@@ -402,7 +392,7 @@ if HAS_TLX:
                     if ROTARY:
                         c = tlx.local_load(cos_bufs[slot])
                         s = tlx.local_load(sin_bufs[slot])
-                        dq = _rope(dq, c, s, BLOCK, HEAD_DIM, True)
+                        dq = rotate_pairs(dq, c, s, BLOCK, HEAD_DIM, True)
                     # Last read of the slot (cos/sin included): hand it back to the producer.
                     tlx.barrier_arrive(empties[slot], 1)
                     _store_tile(dq_ptr, dq, start, length, head, stride_t, BLOCK, HEAD_DIM)

@@ -46,7 +46,7 @@ _INTERPRETER_PROGRAMS = 3
 
 
 @triton.jit
-def _rotate(x, cos, sin, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INVERSE: tl.constexpr):
+def rotate_pairs(x, cos, sin, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, INVERSE: tl.constexpr):
     """Interleaved pairs (x[2i], x[2i+1]) of fp32 x [BLOCK, D] rotated by (cos_i, sin_i) [BLOCK, D/2];
     INVERSE rotates by -angle, which is also the transpose map the gradient needs."""
     x0, x1 = tl.split(tl.reshape(x, (BLOCK, HEAD_DIM // 2, 2)))
@@ -113,10 +113,10 @@ def _block_attention_fwd(
         v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
         if ROTARY:
             cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-            q = _rotate(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            k = _rotate(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
             if ROTATE_V:
-                v = _rotate(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+                v = rotate_pairs(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
         p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
         # P in the input dtype for the PV product, as FlashAttention does; normalize after.
         out = tl.dot(p.to(dtype), v, input_precision=DOT_PRECISION) / row_sum[:, None]
@@ -150,10 +150,10 @@ def _block_attention_bwd(
         if ROTARY:
             # Recomputed from the raw inputs, bit-identical to the forward's rotated tiles.
             cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-            q = _rotate(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            k = _rotate(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
             if ROTATE_V:
-                v = _rotate(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+                v = rotate_pairs(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
         p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
         p = p / row_sum[:, None]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -163,15 +163,15 @@ def _block_attention_bwd(
 
         dv = tl.dot(tl.trans(p.to(dtype)), do, input_precision=DOT_PRECISION)
         if ROTATE_V:
-            dv = _rotate(dv, cos, sin, BLOCK, HEAD_DIM, True)
+            dv = rotate_pairs(dv, cos, sin, BLOCK, HEAD_DIM, True)
         tl.store(dv_ptr + grad_offs, dv.to(dtype), mask=row_ok[:, None])
         dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
         if ROTARY:
-            dk = _rotate(dk, cos, sin, BLOCK, HEAD_DIM, True)
+            dk = rotate_pairs(dk, cos, sin, BLOCK, HEAD_DIM, True)
         tl.store(dk_ptr + grad_offs, dk.to(dtype), mask=row_ok[:, None])
         dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
         if ROTARY:
-            dq = _rotate(dq, cos, sin, BLOCK, HEAD_DIM, True)
+            dq = rotate_pairs(dq, cos, sin, BLOCK, HEAD_DIM, True)
         tl.store(dq_ptr + grad_offs, dq.to(dtype), mask=row_ok[:, None])
 
 
