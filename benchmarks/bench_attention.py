@@ -38,6 +38,7 @@ from kernels import (
     block_attention_reference,
     block_table,
     check_backend,
+    offsets_from_lengths,
     rotary_tables,
 )
 
@@ -154,7 +155,7 @@ class Inputs:
 
 def make_inputs(shape: Shape, device: torch.device, seed: int, dtype: torch.dtype = torch.bfloat16) -> Inputs:
     lengths = sequence_lengths(shape, seed)
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
+    offsets = offsets_from_lengths(lengths, device)
     tokens = int(lengths.sum())
     generator = torch.Generator(device=device).manual_seed(seed)
 

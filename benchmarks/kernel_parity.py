@@ -9,7 +9,7 @@ of its inputs.
 
 import torch
 
-from kernels import Rotary, block_attention
+from kernels import Rotary, block_attention, offsets_from_lengths
 
 LENGTHS = (0, 1, 63, 64, 65, 200)
 TENSORS = ("out", "dq", "dk", "dv")
@@ -52,7 +52,7 @@ def kernel_errors(
     UnsupportedConfigError, since training with it would fail the same way; any other failure is
     recorded as that backend's "error" so the comparison still reports it.
     """
-    offsets_cpu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    offsets_cpu = offsets_from_lengths(LENGTHS)
     generator = torch.Generator().manual_seed(seed)
     total = sum(LENGTHS)
     # Rounded to the kernel dtype first; the reference sees exactly these values in fp64.

@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_attention import measure_copy_bw_tbps, min_bytes  # noqa: E402
 from benchmarks.gpu_check_tlx import TOL, make_case, rel_err, run_ref, run_tlx  # noqa: E402
 from kernels import block_attention  # noqa: E402
+from kernels.blocks import counted_block_table  # noqa: E402
 from kernels.tlx_aot import TUNING_VARIANTS  # noqa: E402
 from kernels.tlx_block_attention import (  # noqa: E402
     _tlx_backward_impl,
     _tlx_forward_impl,
     block_attention_tlx,
-    tlx_block_table,
     tlx_config,
     tlx_unsupported_reason,
     tuning_overrides,
@@ -107,15 +107,15 @@ class Problem:
         q, k, v = (x.detach() for x in self.leaves)
 
         def fwd():
-            table = tlx_block_table(self.offsets, self.tokens)
+            table = counted_block_table(self.offsets, self.tokens)
             return _tlx_forward_impl(q, k, v, *table, None, None, False)
 
         def bwd():
-            table = tlx_block_table(self.offsets, self.tokens)
+            table = counted_block_table(self.offsets, self.tokens)
             return _tlx_backward_impl(self.grad_out, q, k, v, *table, None, None, False)
 
         def fwd_bwd():
-            table = tlx_block_table(self.offsets, self.tokens)
+            table = counted_block_table(self.offsets, self.tokens)
             _tlx_forward_impl(q, k, v, *table, None, None, False)
             return _tlx_backward_impl(self.grad_out, q, k, v, *table, None, None, False)
 

@@ -67,7 +67,7 @@ class ArrowBatchCollator:
         else:
             dense = torch.zeros(batch_size, 0, dtype=torch.float32)
 
-        categorical_names = [name for name, _ in schema.categorical]
+        categorical_names = list(schema.categorical_names)  # KJT keys must be a list
         # KJT values are key-major: all samples of the first key, then the next key.
         sparse_values = [_owned_tensor(rows.column(name), np.int64) for name in categorical_names]
         sparse = KeyedJaggedTensor(
@@ -77,7 +77,7 @@ class ArrowBatchCollator:
             stride=batch_size,
         )
 
-        sequence_names = [name for name, _, _ in schema.sequence]
+        sequence_names = list(schema.sequence_names)
         sequence_values, sequence_lengths = [], []
         for name in sequence_names:
             lists = rows.column(name).combine_chunks()

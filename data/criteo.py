@@ -18,7 +18,6 @@ from __future__ import annotations
 import gzip
 import itertools
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from data.schema import LABEL, FeatureSchema, signed_log1p
-from data.storage import SPLITS, publish_folder, shard_path, staging_folder, write_meta
+from data.storage import ROW_GROUP_SIZE, SPLITS, shard_path, staged_folder, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +209,7 @@ class ShardWriter:
                 path = shard_path(self.staging, self.split, self.shard_index)
                 self.writer = pq.ParquetWriter(path, self.arrow_schema)
             take = min(rows.num_rows, self.shard_rows - self.rows_in_shard)
-            self.writer.write_table(rows.slice(0, take), row_group_size=64 * 1024)
+            self.writer.write_table(rows.slice(0, take), row_group_size=ROW_GROUP_SIZE)
             self.rows_in_shard += take
             rows = rows.slice(take)
             if self.rows_in_shard == self.shard_rows:
@@ -276,18 +275,12 @@ def prepare_criteo(
     first_validation_line = total_lines - int(round(total_lines * val_fraction)) + 1
     log.info("%s: %d lines; lines >= %d go to validation", input_path, total_lines, first_validation_line)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_folder(out)
-    try:
+    with staged_folder(out) as staging:
         summary = _convert(input_path, staging, schema, shard_rows, first_validation_line, strict, chunk_lines)
         write_meta(
             staging, schema, source="criteo", input=str(input_path), table_size=table_size,
             val_fraction=val_fraction, summary=summary.to_dict(),
         )  # fmt: skip
-        publish_folder(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written dataset behind
-        raise
     log.info(
         "%s: read %d lines, wrote %s rows, skipped %d malformed lines%s",
         input_path, summary.lines_read, summary.rows_written, summary.malformed_count,

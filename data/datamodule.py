@@ -13,10 +13,10 @@ from torch.utils.data import DataLoader
 
 from data.batch import ArrowBatchCollator
 from data.criteo import criteo_schema
-from data.movielens import MovieLensConfig, ensure_movielens, movielens_schema
+from data.movielens import MovieLensConfig, ensure_movielens, movielens_folder, movielens_schema
 from data.schema import FeatureSchema
-from data.storage import META_FILE, keyed_folder, load_split, read_meta
-from data.synthetic import SyntheticConfig, ensure_synthetic, synthetic_schema
+from data.storage import META_FILE, load_split, read_meta
+from data.synthetic import SyntheticConfig, ensure_synthetic, synthetic_folder, synthetic_schema
 from data.validation import validate_table
 
 DATASETS = ("synthetic", "criteo", "movielens100k")
@@ -104,10 +104,10 @@ class CTRDataModule(lightning.LightningDataModule):
 
     def prepared_folder(self) -> Path:
         if self.dataset == "synthetic":
-            return keyed_folder(self.data_dir, "synthetic", self.synthetic_config.cache_key())
+            return synthetic_folder(self.synthetic_config, self.data_dir)
         if self.dataset == "criteo":
             return self.data_dir
-        return keyed_folder(self.data_dir, "movielens100k", self.movielens_config.cache_key())
+        return movielens_folder(self.movielens_config, self.data_dir)
 
     def prepare_data(self) -> None:
         if self.dataset == "synthetic":

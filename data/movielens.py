@@ -19,15 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.schema import LABEL, FeatureSchema, signed_log1p
-from data.storage import (
-    META_FILE,
-    keyed_folder,
-    publish_folder,
-    shard_path,
-    staging_folder,
-    write_meta,
-    write_shard,
-)
+from data.storage import META_FILE, keyed_folder, write_prepared
 
 PREPARE_VERSION = 1
 RECBOLE_WHEEL = "recbole==1.2.1"
@@ -225,7 +217,7 @@ def build_samples(raw_dir: Path, config: MovieLensConfig) -> tuple[pa.Table, pa.
     }
     schema = movielens_schema(config)
     columns = {name: pa.array(dense[name]) for name in schema.dense}
-    columns.update({name: pa.array(categorical[name]) for name, _ in schema.categorical})
+    columns.update({name: pa.array(categorical[name]) for name in schema.categorical_names})
     columns[HISTORY] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(history_values))
     columns[LABEL] = pa.array((rating >= 4).astype(np.float32))
     table = pa.table(columns, schema=schema.features().arrow_schema)
@@ -250,19 +242,21 @@ def raw_folder(root: str | Path) -> Path:
     return Path(root) / "raw" / "ml-100k"
 
 
+def movielens_folder(config: MovieLensConfig, root: str | Path) -> Path:
+    """Where ensure_movielens() puts the prepared folder for this config."""
+    return keyed_folder(root, "movielens100k", config.cache_key())
+
+
 def ensure_movielens(config: MovieLensConfig, root: str | Path) -> Path:
     """Prepared folder under root, built from <root>/raw/ml-100k (fetched there if missing)."""
-    folder = keyed_folder(root, "movielens100k", config.cache_key())
+    folder = movielens_folder(config, root)
     if (folder / META_FILE).exists():
         return folder
     raw_dir = fetch_movielens100k(raw_folder(root))
     train, validation = build_samples(raw_dir, config)
-    staging = staging_folder(folder)
-    write_shard(train, shard_path(staging, "train", 0))
-    write_shard(validation, shard_path(staging, "validation", 0))
-    write_meta(
-        staging, movielens_schema(config), source="movielens100k", config=config.cache_key(),
+    write_prepared(
+        folder, {"train": train, "validation": validation}, movielens_schema(config),
+        source="movielens100k", config=config.cache_key(),
         rows={"train": train.num_rows, "validation": validation.num_rows},
     )  # fmt: skip
-    publish_folder(staging, folder)
     return folder

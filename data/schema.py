@@ -39,12 +39,16 @@ class FeatureSchema:
                 )
 
     @property
+    def categorical_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.categorical)
+
+    @property
+    def sequence_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.sequence)
+
+    @property
     def column_names(self) -> tuple[str, ...]:
-        return (
-            self.dense
-            + tuple(name for name, _ in self.categorical)
-            + tuple(name for name, _, _ in self.sequence)
-        )
+        return self.dense + self.categorical_names + self.sequence_names
 
     def features(self) -> datasets.Features:
         """The on-disk column types; every writer uses this so all datasets agree."""

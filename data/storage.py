@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -22,6 +24,8 @@ from data.schema import FeatureSchema
 
 SPLITS = ("train", "validation")
 META_FILE = "meta.json"
+# Every shard writer uses this, so all datasets read back with the same granularity.
+ROW_GROUP_SIZE = 64 * 1024
 
 
 def keyed_folder(root: str | Path, name: str, key: dict) -> Path:
@@ -48,12 +52,35 @@ def publish_folder(staging: Path, folder: Path) -> None:
         shutil.rmtree(staging)  # another process published the same content first
 
 
+@contextmanager
+def staged_folder(folder: Path) -> Iterator[Path]:
+    """Yields a staging folder to fill; publishes it as `folder` on success, deletes it on any failure."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(folder)
+    try:
+        yield staging
+        publish_folder(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written dataset behind
+        raise
+
+
+def write_prepared(folder: Path, splits: dict[str, pa.Table], schema: FeatureSchema, **details) -> None:
+    """Publish in-memory tables (one shard per split) and meta.json as the prepared folder `folder`."""
+    if sorted(splits) != sorted(SPLITS):
+        raise ValueError(f"write_prepared({folder}): got splits {sorted(splits)}, need exactly {list(SPLITS)}")
+    with staged_folder(folder) as staging:
+        for split, table in splits.items():
+            write_shard(table, shard_path(staging, split, 0))
+        write_meta(staging, schema, **details)
+
+
 def shard_path(staging: Path, split: str, index: int) -> Path:
     return staging / split / f"part-{index:05d}.parquet"
 
 
 def write_shard(table: pa.Table, path: Path) -> None:
-    pq.write_table(table, path, row_group_size=64 * 1024)
+    pq.write_table(table, path, row_group_size=ROW_GROUP_SIZE)
 
 
 def write_meta(staging: Path, schema: FeatureSchema, **details) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.schema import LABEL, FeatureSchema, signed_log1p
-from data.storage import META_FILE, keyed_folder, publish_folder, shard_path, staging_folder, write_meta, write_shard
+from data.storage import META_FILE, keyed_folder, write_prepared
 
 # Bump when the generated data changes, so cached files from older code are not reused.
 GENERATOR_VERSION = 2
@@ -196,7 +196,7 @@ def generate(config: SyntheticConfig) -> SyntheticData:
     columns: dict[str, pa.Array] = {}
     for i, name in enumerate(schema.dense):
         columns[name] = pa.array(dense[:, i])
-    for name, _ in schema.categorical:
+    for name in schema.categorical_names:
         columns[name] = pa.array(categorical[name].astype(np.int64))
     columns[HISTORY] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(history.astype(np.int64)))
     columns[LABEL] = pa.array(labels)
@@ -211,16 +211,19 @@ def generate(config: SyntheticConfig) -> SyntheticData:
     )
 
 
+def synthetic_folder(config: SyntheticConfig, root: str | Path) -> Path:
+    """Where ensure_synthetic() puts the prepared folder for this config."""
+    return keyed_folder(root, "synthetic", config.cache_key())
+
+
 def ensure_synthetic(config: SyntheticConfig, root: str | Path) -> Path:
     """Generate the prepared folder for this config under root unless it already exists."""
-    folder = keyed_folder(root, "synthetic", config.cache_key())
+    folder = synthetic_folder(config, root)
     if (folder / META_FILE).exists():
         return folder
     data = generate(config)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_folder(folder)
-    write_shard(data.train, shard_path(staging, "train", 0))
-    write_shard(data.validation, shard_path(staging, "validation", 0))
-    write_meta(staging, synthetic_schema(config), source="synthetic", config=config.cache_key())
-    publish_folder(staging, folder)
+    write_prepared(
+        folder, {"train": data.train, "validation": data.validation}, synthetic_schema(config),
+        source="synthetic", config=config.cache_key(),
+    )  # fmt: skip
     return folder

@@ -28,9 +28,9 @@ def _check_types(table_schema: pa.Schema, schema: FeatureSchema, split: str) -> 
 
     for name in schema.dense:
         require(name, pa.types.is_floating(table_schema.field(name).type), "a float type")
-    for name, _ in schema.categorical:
+    for name in schema.categorical_names:
         require(name, pa.types.is_integer(table_schema.field(name).type), "an integer type")
-    for name, _, _ in schema.sequence:
+    for name in schema.sequence_names:
         column_type = table_schema.field(name).type
         is_int_list = (pa.types.is_list(column_type) or pa.types.is_large_list(column_type)) and pa.types.is_integer(
             column_type.value_type

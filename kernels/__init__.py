@@ -1,6 +1,6 @@
 """Block attention over jagged sequences: one API, several backends (see dispatch.py)."""
 
-from .blocks import BLOCK_SIZE, block_cu_seqlens, block_table
+from .blocks import BLOCK_SIZE, block_cu_seqlens, block_table, offsets_from_lengths
 from .dispatch import (
     BACKENDS,
     BackendUnavailableError,
@@ -25,5 +25,6 @@ __all__ = [
     "block_cu_seqlens",
     "block_table",
     "check_backend",
+    "offsets_from_lengths",
     "rotary_tables",
 ]

@@ -10,6 +10,12 @@ import torch
 BLOCK_SIZE = 64
 
 
+def offsets_from_lengths(lengths, device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 offsets [B+1] (0, then the running sum) from sequence lengths (a list or a tensor)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
+    return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+
+
 def max_num_blocks(total_tokens: int, batch_size: int, block_size: int = BLOCK_SIZE) -> int:
     """An upper bound on the block count known without reading `offsets`: each sequence adds at
     most one partial block to the total_tokens / block_size full ones."""
@@ -43,6 +49,15 @@ def block_table(
     block_start = torch.where(used, block_start, total_tokens)
     block_len = torch.where(used, block_len, 0)
     return block_start.to(torch.int32), block_len.to(torch.int32)
+
+
+def counted_block_table(
+    offsets: torch.Tensor, total_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block_start, block_len, num_blocks): the fixed-size table plus, as a device scalar, how
+    many of its rows are real, so persistent kernels stop at the real blocks without a host read."""
+    block_start, block_len = block_table(offsets, total_tokens)
+    return block_start, block_len, torch.count_nonzero(block_len)
 
 
 def block_cu_seqlens(offsets: torch.Tensor, total_tokens: int | None = None, block_size: int = BLOCK_SIZE) -> torch.Tensor:

@@ -99,7 +99,11 @@ _AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
 _AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
 
 
-def _auto_order(head_dim: int) -> tuple[str, ...]:
+def _auto_candidates(device: torch.device, head_dim: int) -> tuple[str, ...]:
+    """What `auto` may pick, in order. On CPU that is the reference alone: the Triton interpreter
+    is for tests and runs only when asked for by name."""
+    if device.type == "cpu":
+        return ("reference",)
     return _AUTO_ORDER if head_dim >= 128 else _AUTO_ORDER_SMALL_HEAD_DIM
 
 
@@ -116,17 +120,22 @@ def available_backends(device: torch.device | str) -> list[str]:
 
 
 def check_backend(name: str, device: torch.device | str) -> None:
-    """Raises BackendUnavailableError, with what is missing and how to get it, if `name` can't run."""
-    names = available_backends(device) if name == "auto" else [name]
-    for candidate in names:
-        reason = backend_unavailable_reason(candidate, device)
+    """Raises BackendUnavailableError, with what is missing and how to get it, if `name` can't run.
+    Also imports the backend(s) it may use, so that no import happens inside a compiled region."""
+    device = torch.device(device)
+    if name == "auto":
+        names = [c for c in _auto_candidates(device, 128) if backend_unavailable_reason(c, device) is None]
+    else:
+        names = [name]
+        reason = backend_unavailable_reason(name, device)
         if reason is not None:
             raise BackendUnavailableError(
-                f"block_attention backend {candidate!r} cannot run here: {reason}. "
-                f"To get it: {_BACKENDS[candidate].how_to_get}. "
-                f"Backends that can run on {torch.device(device).type}: {', '.join(available_backends(device))}."
+                f"block_attention backend {name!r} cannot run here: {reason}. "
+                f"To get it: {_BACKENDS[name].how_to_get}. "
+                f"Backends that can run on {device.type}: {', '.join(available_backends(device))}."
             )
-        _BACKENDS[candidate].load(_BACKENDS[candidate].function)  # imports it before any compile
+    for candidate in names:
+        _BACKENDS[candidate].load(_BACKENDS[candidate].function)
 
 
 def _unsupported_reason(backend: Backend, q: torch.Tensor) -> str | None:
@@ -145,10 +154,8 @@ def _resolve(name: str, q: torch.Tensor) -> Backend:
             raise ValueError(f"block_attention backend {name!r} does not support {reason}")
         return backend
     skipped = []
-    for candidate in _auto_order(q.shape[-1]):
+    for candidate in _auto_candidates(q.device, q.shape[-1]):
         backend = _BACKENDS[candidate]
-        if q.device.type == "cpu" and candidate != "reference":
-            continue  # the Triton interpreter is for tests: it runs only when asked for by name
         reason = backend.needs(q.device)
         if reason is None:
             reason = _unsupported_reason(backend, q)

@@ -39,7 +39,7 @@ try:
 except ImportError:  # plain triton (no extra.tlx) or no triton at all
     HAS_TLX = False
 
-from .blocks import BLOCK_SIZE, block_table
+from .blocks import BLOCK_SIZE, counted_block_table
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -458,13 +458,6 @@ def _rotary_descs(cos, sin, head_dim):
             _desc_2d(_tma_ready(sin, BLOCK_SIZE), head_dim // 2))
 
 
-def tlx_block_table(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block_start, block_len, num_blocks): the sync-free block table plus its count of real
-    rows as a device scalar, so the kernels skip the unused rows without a host read."""
-    block_start, block_len = block_table(offsets, total_tokens)
-    return block_start, block_len, torch.count_nonzero(block_len)
-
-
 def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
     return (max(1, min(_num_sms(q.device), block_start.numel() * q.shape[1])),)
 
@@ -590,6 +583,6 @@ def block_attention_tlx(q, k, v, offsets, cos=None, sin=None, rotate_v=False):
     """Block attention (64-token blocks, non-causal, scale 1/sqrt(D)) with fused interleaved rotary
     on q, k (and v when rotate_v; the output is then not un-rotated). Hopper + TLX only."""
     _check_inputs(q, k, v, offsets, cos, sin)
-    block_start, block_len, num_blocks = tlx_block_table(offsets, q.shape[0])
+    block_start, block_len, num_blocks = counted_block_table(offsets, q.shape[0])
     return _tlx_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), block_start, block_len, num_blocks,
                        cos, sin, bool(rotate_v))

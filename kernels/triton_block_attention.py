@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocks import BLOCK_SIZE, block_table
+from .blocks import BLOCK_SIZE, counted_block_table
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -279,14 +279,6 @@ def _kernel_constexprs(q: torch.Tensor, rotary: bool, rotate_v: bool) -> dict:
     )
 
 
-def _block_table(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block_start, block_len, num_blocks): the fixed-size table and, on the device, how many of
-    its rows are real, so kernels skip the unused rows without a host sync. Built once per
-    forward and saved for the backward."""
-    block_start, block_len = block_table(offsets, total_tokens)
-    return block_start, block_len, torch.count_nonzero(block_len)
-
-
 def _launch_forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, out) -> None:
     total_tokens, heads, head_dim = q.shape
     if total_tokens == 0 or heads == 0:
@@ -473,7 +465,7 @@ def block_attention_triton(q, k, v, offsets, cos=None, sin=None, rotate_v=False)
     _check_rotary(cos, sin, q.shape[0], q.shape[-1], q.device)
     if len({x.stride() for x in (q, k, v)}) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _forward_op(q, k, v, *_block_table(offsets.to(torch.int32), q.shape[0]), cos, sin, bool(rotate_v))
+    return _forward_op(q, k, v, *counted_block_table(offsets.to(torch.int32), q.shape[0]), cos, sin, bool(rotate_v))
 
 
 def block_attention_qkv_triton(x, w_qkv, offsets, heads, cos=None, sin=None, rotate_v=False):
@@ -496,4 +488,4 @@ def block_attention_qkv_triton(x, w_qkv, offsets, heads, cos=None, sin=None, rot
     if not torch.compiler.is_compiling() and int(offsets[-1]) != total_tokens:
         raise ValueError(f"offsets[-1] = {int(offsets[-1])} must equal x's {total_tokens} tokens")
     qkv = (x @ w_qkv).view(total_tokens, 3, heads, head_dim)
-    return _qkv_forward_op(qkv, *_block_table(offsets.to(torch.int32), total_tokens), cos, sin, bool(rotate_v))
+    return _qkv_forward_op(qkv, *counted_block_table(offsets.to(torch.int32), total_tokens), cos, sin, bool(rotate_v))

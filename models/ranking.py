@@ -117,8 +117,9 @@ class RankingModel(nn.Module):
     def __init__(self, schema: FeatureSchema, config: RankingModelConfig):
         super().__init__()
         self.schema, self.config = schema, config
-        self.categorical_names = [name for name, _ in schema.categorical]
-        self.sequence_names = [name for name, _, _ in schema.sequence]
+        # Lists, not tuples: they are compared with KeyedJaggedTensor.keys(), a list.
+        self.categorical_names = list(schema.categorical_names)
+        self.sequence_names = list(schema.sequence_names)
         self.num_fixed_tokens = config.n_dense_tokens + len(schema.categorical)
         d, e = config.d_model, config.embedding_dim
 
@@ -170,10 +171,10 @@ class RankingModel(nn.Module):
             for slot, name in enumerate(self.sequence_names, start=self.num_fixed_tokens):
                 history_lengths.append(jagged[name].lengths().long())
                 history_values.append(self.embedding_proj(jagged[name].values()) + self.slot_embedding.weight[slot])
-        lengths = torch.full((batch_size,), self.num_fixed_tokens, dtype=torch.long, device=device)
-        for feature_lengths in history_lengths:
-            lengths = lengths + feature_lengths
-        starts = torch.cumsum(lengths, 0) - lengths
+        fixed_lengths = torch.full((batch_size,), self.num_fixed_tokens, dtype=torch.long, device=device)
+        lengths = sum(history_lengths, fixed_lengths)
+        offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))
+        starts = offsets[:-1]
         num_tokens = batch_size * self.num_fixed_tokens + sum(v.shape[0] for v in history_values)
 
         fixed_dest = (starts[:, None] + torch.arange(self.num_fixed_tokens, device=device)).reshape(-1)
@@ -191,9 +192,9 @@ class RankingModel(nn.Module):
         source = torch.cat(sources).to(fixed.dtype)
         values = source.new_empty(num_tokens, d).index_copy(0, torch.cat(destinations), source)
 
-        offsets = F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
         sample_ids = torch.repeat_interleave(torch.arange(batch_size, device=device), lengths, output_size=num_tokens)
-        return JaggedTokens(values=values, offsets=offsets, sample_ids=sample_ids, lengths=lengths)
+        # block_attention takes int32 offsets; the index arithmetic above stays int64.
+        return JaggedTokens(values=values, offsets=offsets.to(torch.int32), sample_ids=sample_ids, lengths=lengths)
 
     @staticmethod
     def _check_keys(features: KeyedJaggedTensor, names: list[str], kind: str) -> KeyedJaggedTensor:

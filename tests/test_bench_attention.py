@@ -9,16 +9,12 @@ import pytest
 import torch
 
 from benchmarks import bench_attention as bench
-from kernels import block_attention_reference
+from kernels import block_attention_reference, offsets_from_lengths
 
 ROW_KEYS = {
     "impl", "shape", "pass", "rotary", "ms", "frac_copy_bw", "speedup_vs_fa2", "status", "skip_reason",
     "max_abs_err", "bwd_timing", "tokens", "min_bytes",
 }
-
-
-def offsets_of(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def test_min_bytes_counts_tensors_and_rotary_tables():
@@ -118,7 +114,7 @@ def test_rotary_fusion_pairs_separate_with_fused_and_plain():
 def test_flex_block_mask_equals_create_block_mask(lengths, full_blocks):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    offsets = offsets_of(lengths)
+    offsets = offsets_from_lengths(lengths)
     tokens = int(offsets[-1])
     block_mask = bench.flex_block_mask(offsets, tokens, full_blocks)
     expected = create_block_mask(block_mask.mask_mod, None, None, tokens, tokens, device="cpu", BLOCK_SIZE=bench.FLEX_TILE)
@@ -134,7 +130,7 @@ def test_flex_block_mask_gives_block_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     lengths = [70, 0, 200, 64, 1, 130]
-    offsets = offsets_of(lengths)
+    offsets = offsets_from_lengths(lengths)
     tokens = int(offsets[-1])
     q, k, v = (torch.randn(tokens, 2, 16) for _ in range(3))
     block_mask = bench.flex_block_mask(offsets, tokens, full_blocks=False)

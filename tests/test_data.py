@@ -17,7 +17,7 @@ from data.baseline import binary_auc, logistic_regression_auc
 from data.batch import ArrowBatchCollator
 from data.datamodule import CTRDataModule
 from data.schema import LABEL, FeatureSchema, signed_log1p
-from data.synthetic import SyntheticConfig, ensure_synthetic, generate, synthetic_schema
+from data.synthetic import SyntheticConfig, ensure_synthetic, generate, synthetic_folder, synthetic_schema
 from data.validation import validate_table
 
 SMALL = SyntheticConfig(num_train=3000, num_val=1000, vocab_size=200, num_items=300, max_history_len=200, seed=7)
@@ -232,6 +232,20 @@ def test_datamodule_keeps_configs_apart_and_ignores_leftover_staging(tmp_path):
     assert sum(batch.batch_size for batch in base.train_dataloader()) == TINY["num_train"]
     with pytest.raises(FileNotFoundError, match="not a prepared dataset folder"):
         other.setup("fit")
+
+
+def test_failed_synthetic_write_leaves_no_folder_behind(tmp_path, monkeypatch):
+    def fail_after_shards(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("data.storage.write_meta", fail_after_shards)
+    config = CTRDataModule(data_dir=str(tmp_path), **TINY).synthetic_config
+    with pytest.raises(OSError, match="disk full"):
+        ensure_synthetic(config, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # neither the published folder nor its staging folder
+    monkeypatch.undo()
+    assert ensure_synthetic(config, tmp_path) == synthetic_folder(config, tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [synthetic_folder(config, tmp_path).name]
 
 
 def test_datamodule_rejects_bad_arguments():

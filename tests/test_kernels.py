@@ -15,14 +15,12 @@ from kernels import (
     block_attention,
     block_attention_reference,
     block_table,
+    check_backend,
+    offsets_from_lengths,
     rotary_tables,
 )
 
 RAGGED_LENGTHS = [0, 1, 63, 64, 65, 200]
-
-
-def make_offsets(lengths, device="cpu"):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
 def naive_block_attention(q, k, v, lengths):
@@ -60,7 +58,7 @@ def random_qkv(total, heads, dim, dtype=torch.float64, device="cpu", seed=0):
 @pytest.mark.parametrize("lengths", [RAGGED_LENGTHS, [64, 64], [5], [0, 0, 130], [129, 0, 1]])
 @pytest.mark.parametrize("heads,dim", [(1, 16), (3, 32)])
 def test_reference_matches_naive_loop_forward_and_gradients(lengths, heads, dim):
-    offsets = make_offsets(lengths)
+    offsets = offsets_from_lengths(lengths)
     q, k, v = random_qkv(sum(lengths), heads, dim, seed=len(lengths) + dim)
     out = block_attention(q, k, v, offsets, backend="reference")
     expected = naive_block_attention(q, k, v, lengths)
@@ -74,7 +72,7 @@ def test_reference_matches_naive_loop_forward_and_gradients(lengths, heads, dim)
 
 
 def test_block_table_cuts_each_sequence_from_its_start():
-    block_start, block_len = block_table(make_offsets(RAGGED_LENGTHS), 393)
+    block_start, block_len = block_table(offsets_from_lengths(RAGGED_LENGTHS), 393)
     # sequences start at 0, 0, 1, 64, 128, 193; the fixed-size table ends in unused empty rows
     used = 9
     assert block_start.tolist()[:used] == [0, 1, 64, 128, 192, 193, 257, 321, 385]
@@ -86,13 +84,13 @@ def test_block_table_cuts_each_sequence_from_its_start():
 @pytest.mark.parametrize("lengths", [[], [0], [64] * 5, [1] * 7, [200, 0, 64, 65]])
 def test_block_table_covers_every_token_once(lengths):
     total = sum(lengths)
-    block_start, block_len = block_table(make_offsets(lengths), total)
+    block_start, block_len = block_table(offsets_from_lengths(lengths), total)
     covered = torch.cat([torch.arange(s, s + n) for s, n in zip(block_start.tolist(), block_len.tolist())] + [torch.zeros(0, dtype=torch.long)])
     assert covered.tolist() == list(range(total))
 
 
 def test_reference_low_precision_mode_runs_in_input_dtype():
-    offsets = make_offsets([70])
+    offsets = offsets_from_lengths([70])
     q, k, v = (x.detach().half() for x in random_qkv(70, 2, 32))
     upcast = block_attention_reference(q, k, v, offsets)
     same_precision = block_attention_reference(q, k, v, offsets, upcast=False)
@@ -106,7 +104,7 @@ def test_reference_low_precision_mode_runs_in_input_dtype():
 @pytest.mark.parametrize("within_block", [False, True])
 def test_rotary_tables_match_formula(within_block):
     lengths = [3, 0, 130]
-    offsets = make_offsets(lengths)
+    offsets = offsets_from_lengths(lengths)
     x = torch.randn(sum(lengths), 2, 8, dtype=torch.float64)
     positions = torch.cat([torch.arange(n) for n in lengths])
     if within_block:
@@ -119,7 +117,7 @@ def test_rotary_tables_match_formula(within_block):
 
 def test_rotary_given_as_positions_or_tables_agrees():
     lengths = [10, 70]
-    offsets = make_offsets(lengths)
+    offsets = offsets_from_lengths(lengths)
     q, k, v = random_qkv(80, 2, 16)
     positions = torch.randint(0, 1000, (80,))
     cos, sin = rotary_tables(Rotary(positions=positions), offsets, 80, 16)
@@ -135,7 +133,7 @@ def test_rotary_given_as_positions_or_tables_agrees():
 
 def test_empty_batch_keeps_gradients_flowing():
     q, k, v = random_qkv(0, 2, 16)
-    out = block_attention(q, k, v, make_offsets([0, 0]), rotary=Rotary())
+    out = block_attention(q, k, v, offsets_from_lengths([0, 0]), rotary=Rotary())
     assert out.shape == (0, 2, 16)
     out.sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape
@@ -144,7 +142,7 @@ def test_empty_batch_keeps_gradients_flowing():
 def test_auto_on_cpu_is_reference():
     assert available_backends("cpu")[-1] == "reference"
     q, k, v = random_qkv(65, 1, 16)
-    offsets = make_offsets([65])
+    offsets = offsets_from_lengths([65])
     torch.testing.assert_close(block_attention(q, k, v, offsets), block_attention(q, k, v, offsets, backend="reference"))
 
 
@@ -202,7 +200,7 @@ def test_gpu_backend_on_cpu_raises_actionable_error(backend):
 @pytest.mark.parametrize("dim", [64, 128])
 def test_fa2_matches_reference_on_gpu(rotary, dim):
     lengths = RAGGED_LENGTHS + [1000]
-    offsets = make_offsets(lengths, "cuda")
+    offsets = offsets_from_lengths(lengths, "cuda")
     q, k, v = random_qkv(sum(lengths), 4, dim, dtype=torch.bfloat16, device="cuda")
     grad_out = torch.randn_like(q)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
@@ -239,13 +237,13 @@ def test_check_offsets_false_skips_only_the_value_check():
 @pytest.mark.parametrize("rotary", [None, Rotary(rotate_v=True)])
 def test_reference_returns_the_input_dtype(rotary):
     q, k, v = (x.detach().to(torch.bfloat16) for x in random_qkv(70, 2, 16))
-    assert block_attention(q, k, v, make_offsets([70]), rotary=rotary, backend="reference").dtype == torch.bfloat16
+    assert block_attention(q, k, v, offsets_from_lengths([70]), rotary=rotary, backend="reference").dtype == torch.bfloat16
 
 
 def test_auto_on_cpu_never_picks_the_triton_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v = _inputs(70, 2, 32)
-    offsets = make_offsets([70])
+    offsets = offsets_from_lengths([70])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning either: reference is the plan on CPU
         out = block_attention(q, k, v, offsets)

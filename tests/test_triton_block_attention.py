@@ -13,7 +13,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import Rotary, apply_rotary, check_backend, block_attention, block_attention_reference, rotary_tables  # noqa: E402
+from kernels import (  # noqa: E402
+    Rotary, apply_rotary, block_attention, block_attention_reference, check_backend, offsets_from_lengths, rotary_tables,
+)
 from kernels.triton_block_attention import (  # noqa: E402
     block_attention_qkv_triton,
     block_attention_triton,
@@ -27,13 +29,9 @@ ROTARY_MODES = {"none": None, "qk": Rotary(), "qkv": Rotary(rotate_v=True)}
 ABS_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-4}
 
 
-def _offsets(lengths) -> torch.Tensor:
-    return torch.cumsum(torch.tensor((0, *lengths)), 0).to(torch.int32)
-
-
 def _inputs(lengths, head_dim, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    offsets = _offsets(lengths)
+    offsets = offsets_from_lengths(lengths)
     shape = (int(offsets[-1]), HEADS, head_dim)
     q, k, v = (torch.randn(shape, generator=generator).to(dtype) for _ in range(3))
     # A strided gradient (token stride 2*H*D) checks that the backward honours grad_out's strides.
@@ -93,7 +91,7 @@ def test_fused_rotary_matches_rotating_first():
 @pytest.mark.parametrize("rotate_v", (False, True))
 def test_fused_projection_matches_autograd_through_matmul(rotate_v):
     generator = torch.Generator().manual_seed(2)
-    offsets = _offsets(LENGTHS)
+    offsets = offsets_from_lengths(LENGTHS)
     total_tokens, d_in, head_dim = int(offsets[-1]), 48, 32
     x = torch.randn(total_tokens, d_in, generator=generator)
     w_qkv = torch.randn(d_in, 3 * HEADS * head_dim, generator=generator) / d_in**0.5
@@ -136,13 +134,13 @@ def test_empty_batches():
             assert out.shape == dq.shape == dk.shape == dv.shape == (0, HEADS, 64)
     x = torch.zeros(0, 16, requires_grad=True)
     w_qkv = torch.randn(16, 3 * HEADS * 32, requires_grad=True)
-    out = block_attention_qkv_triton(x, w_qkv, _offsets((0,)), HEADS)
+    out = block_attention_qkv_triton(x, w_qkv, offsets_from_lengths((0,)), HEADS)
     out.sum().backward()
     assert out.shape == (0, HEADS, 32) and torch.equal(w_qkv.grad, torch.zeros_like(w_qkv))
 
 
 def test_unsupported_inputs_get_a_clear_error():
-    offsets = _offsets((5,))
+    offsets = offsets_from_lengths((5,))
     assert triton_unsupported_reason(torch.zeros(5, 1, 64)) is None
     cases = {
         "head_dim 48": torch.zeros(5, 1, 48),
