@@ -3,6 +3,11 @@
     python -m benchmarks.bench_attention --out benchmarks/results/attention_h200
     python -m benchmarks.bench_attention --out /tmp/attention_quick --quick           # fast GPU smoke
     python -m benchmarks.bench_attention --out /tmp/attention_cpu --device cpu --quick # tiny CPU smoke
+    python -m benchmarks.bench_attention --out /tmp/attention_graph --graph           # + CUDA-graph replay
+
+With --graph, fwd and fwd+bwd are also captured in a CUDA graph and timed by replaying it: the
+device time alone, without the host work of a Python call (which for a ~0.3 ms forward can be as
+long as the kernel); graph bwd = graph fwd+bwd - graph fwd.
 
 Times fwd, bwd and fwd+bwd, with and without rotary, of every implementation on every shape, and
 writes <out>.json (one row per impl x shape x pass x rotary) and <out>.md. benchmarks/README.md
@@ -402,6 +407,35 @@ def time_pass(pass_: str, forward: Callable, inputs: Inputs, timer: Callable) ->
     return timer(run_forward_backward) - timer(run_forward), f"fwd+bwd minus fwd; retain_graph failed: {reason}"
 
 
+def captured(fn: Callable) -> torch.cuda.CUDAGraph:
+    """fn recorded in a CUDA graph (after one run on a side stream, as capture requires)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graphs(forward: Callable, inputs: Inputs, timer: Callable) -> dict[str, float]:
+    """Replay medians of fwd and fwd+bwd captured in CUDA graphs; bwd is their difference (a
+    backward alone can't be captured: autograd runs it on the forward's stream, not the capture's)."""
+    leaves, grad_out = (inputs.q, inputs.k, inputs.v), inputs.grad_out
+    ms = {}
+    for pass_, fn in (("fwd", lambda: forward(*leaves)),
+                      ("fwd+bwd", lambda: torch.autograd.grad(forward(*leaves), leaves, grad_out))):
+        graph = captured(fn)
+        try:
+            ms[pass_] = timer(graph.replay)
+        finally:
+            del graph
+    ms["bwd"] = ms["fwd+bwd"] - ms["fwd"]
+    return ms
+
+
 def measure_copy_bw_tbps(device: torch.device, nbytes: int, timer: Callable) -> float:
     """Device-to-device copy bandwidth, (bytes read + bytes written) / time, in TB/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
@@ -454,6 +488,10 @@ def make_row(
         "skip_reason": skip_reason,
         "max_abs_err": max_abs_err,
         "bwd_timing": bwd_timing,
+        "graph_ms": None,  # filled in by bench_impl under --graph
+        "graph_frac_copy_bw": None,
+        "graph_speedup_vs_fa2": None,
+        "graph_skip_reason": None,
         "tokens": inputs.tokens,
         "min_bytes": nbytes,
     }
@@ -474,7 +512,8 @@ def warm_up(impl: Impl, inputs: Inputs, rotary: bool) -> tuple[Callable, float]:
     return forward, reference_error(out, inputs, rotary)
 
 
-def bench_impl(impl: Impl, inputs: Inputs, rotary: bool, timer: Callable, copy_bw_tbps: float) -> list[dict]:
+def bench_impl(impl: Impl, inputs: Inputs, rotary: bool, timer: Callable, copy_bw_tbps: float,
+               graph: bool = False) -> list[dict]:
     """The three pass rows of one impl on one shape; failures become skipped rows with the reason."""
     device = inputs.q.device
     try:
@@ -494,15 +533,30 @@ def bench_impl(impl: Impl, inputs: Inputs, rotary: bool, timer: Callable, copy_b
             row = make_row(impl.name, inputs, pass_, rotary, copy_bw_tbps, skip_reason=describe(error))
         rows.append(row)
         free_memory(device, after_error=row["ms"] is None)
+    if graph:
+        try:
+            graph_ms = time_graphs(forward, inputs, timer)
+        except Exception as error:
+            graph_ms, reason = {}, describe(error)
+        for row in rows:
+            row["graph_ms"] = graph_ms.get(row["pass"])
+            if row["graph_ms"] is None:
+                row["graph_skip_reason"] = reason
+            else:
+                row["graph_frac_copy_bw"] = frac_copy_bw(row["min_bytes"], row["graph_ms"], copy_bw_tbps)
+        free_memory(device, after_error=not graph_ms)
     return rows
 
 
 def add_speedups(rows: list[dict]) -> None:
-    """speedup_vs_fa2 = fa2 ms / ms for the same shape, pass and rotary (None without both)."""
-    fa2_ms = {(r["shape"], r["pass"], r["rotary"]): r["ms"] for r in rows if r["impl"] == "fa2" and r["ms"]}
-    for row in rows:
-        baseline = fa2_ms.get((row["shape"], row["pass"], row["rotary"]))
-        row["speedup_vs_fa2"] = baseline / row["ms"] if baseline and row["ms"] else None
+    """speedup_vs_fa2 = fa2 ms / ms for the same shape, pass and rotary (None without both); the
+    same for the CUDA-graph times."""
+    for prefix in ("", "graph_"):
+        ms = prefix + "ms"
+        fa2_ms = {(r["shape"], r["pass"], r["rotary"]): r[ms] for r in rows if r["impl"] == "fa2" and r.get(ms)}
+        for row in rows:
+            baseline = fa2_ms.get((row["shape"], row["pass"], row["rotary"]))
+            row[prefix + "speedup_vs_fa2"] = baseline / row[ms] if baseline and row.get(ms) else None
 
 
 def rotary_fusion(rows: list[dict]) -> list[dict]:
@@ -561,17 +615,24 @@ def render_shape_table(rows: list[dict], shape_label: str) -> str:
     selected = [r for r in rows if r["shape"] == shape_label]
     selected.sort(key=lambda r: (PASSES.index(r["pass"]), r["rotary"]))  # stable: impl order kept
     tokens = selected[0]["tokens"] if selected else 0
+    graphed = any(r.get("graph_ms") is not None for r in selected)
+    graph_head, graph_rule = (" graph ms | graph % copy | graph vs fa2 |", "---:|---:|---:|") if graphed else ("", "")
     lines = [
         f"### {shape_label} (T = {tokens} tokens)",
         "",
-        "| impl | pass | rotary | ms | % copy BW | speedup vs fa2 | note |",
-        "|---|---|---|---:|---:|---:|---|",
+        f"| impl | pass | rotary | ms | % copy BW | speedup vs fa2 |{graph_head} note |",
+        f"|---|---|---|---:|---:|---:|{graph_rule}---|",
     ]
     for r in selected:
+        graph_cells = ""
+        if graphed:
+            frac = r.get("graph_frac_copy_bw")
+            graph_cells = (f" {_fmt(r.get('graph_ms'), '.3f')} | {_fmt(None if frac is None else 100 * frac, '.1f', '%')} "
+                           f"| {_fmt(r.get('graph_speedup_vs_fa2'), '.2f', '×')} |")
         lines.append(
             f"| {r['impl']} | {r['pass']} | {'yes' if r['rotary'] else 'no'} | {_fmt(r['ms'], '.3f')} "
             f"| {_fmt(None if r['frac_copy_bw'] is None else 100 * r['frac_copy_bw'], '.1f', '%')} "
-            f"| {_fmt(r['speedup_vs_fa2'], '.2f', '×')} | {_note(r)} |"
+            f"| {_fmt(r['speedup_vs_fa2'], '.2f', '×')} |{graph_cells} {_note(r)} |"
         )
     return "\n".join(lines)
 
@@ -669,6 +730,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="one shape per kind, short timing: a fast GPU smoke run")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny shapes, for a smoke test)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--graph", action="store_true", help="also time fwd and fwd+bwd replayed from CUDA graphs")
     parser.add_argument(
         "--dtype", choices=DTYPES, default="bfloat16",
         help="bfloat16 (default); float16/float32 let the Triton CPU interpreter (TRITON_INTERPRET=1) run",
@@ -711,7 +773,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {
             "timer": "triton.testing.do_bench" if device.type == "cuda" else "time.perf_counter",
             "warmup_ms": warmup_ms, "rep_ms": rep_ms, "copy_bytes": copy_bytes, "dtype": args.dtype, "seed": args.seed,
-            "flex_tile": FLEX_TILE,
+            "flex_tile": FLEX_TILE, "graph": args.graph,
         },
         "copy_bw_tbps": None,
         "rows": [],
@@ -730,10 +792,12 @@ def main(argv: list[str] | None = None) -> dict:
             for rotary in rotary_settings:
                 if impl.rotary_only and not rotary:
                     continue
-                rows = bench_impl(impl, inputs, rotary, timer, report["copy_bw_tbps"])
+                rows = bench_impl(impl, inputs, rotary, timer, report["copy_bw_tbps"], args.graph and device.type == "cuda")
                 report["rows"] += rows
                 for r in rows:
                     result = f"{r['ms']:.3f} ms {_note(r)}" if r["ms"] is not None else f"skipped: {r['skip_reason']}"
+                    if r["graph_ms"] is not None or r["graph_skip_reason"]:
+                        result += f" | graph {r['graph_ms']:.3f} ms" if r["graph_ms"] is not None else f" | graph: {r['graph_skip_reason']}"
                     log(f"  {r['impl']:<24} {r['pass']:<7} rotary={'yes' if rotary else 'no':<3} {result}")
         del inputs
         free_memory(device)

@@ -1,6 +1,7 @@
-"""GPU correctness check of the Triton backend (run on an H100/H200):
+"""GPU correctness check of the Triton or TLX backend (run on an H100/H200):
 
     python benchmarks/gpu_check_triton.py --out /tmp/parity_triton.json [--sweep]
+    python benchmarks/gpu_check_triton.py --backend tlx --out /tmp/parity_tlx.json
 
 On random ragged batches (bf16, and one fp16 case; D = 32/64/128; no rotary, rotary on q/k, and on
 v too) every output (out, dq, dk, dv; out, dx, dw for the fused projection) must satisfy, against
@@ -9,7 +10,9 @@ the fp64 reference on the same inputs:
 - gradients' SNR = 10 log10(|ref|^2 / |err|^2) >= 45 dB;
 - a second run gives bitwise-identical output and gradients.
 Each case runs in its own try/except; prints a table and PASS/FAIL, writes every number to --out,
-and exits 1 if anything failed.
+and exits 1 if anything failed. Where FA2 can run the case (no rotary, bf16/fp16, CUDA) its max
+errors on the same inputs are recorded too, with the kernel/FA2 ratio (issue 4's dq target: <= 0.5).
+The fused projection is Triton-only; TLX takes head_dim 64 and 128.
 
     python benchmarks/gpu_check_triton.py --sweep --out /tmp/triton.json   # ~4 min on an H200
 
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.triton_block_attention as triton_backend  # noqa: E402
 from kernels import Rotary, block_attention, block_attention_reference, rotary_tables  # noqa: E402
+from kernels.dispatch import _BACKENDS  # noqa: E402
 
 MIN_GRAD_SNR_DB = 45.0
 ERROR_RATIO = 2.0
@@ -98,7 +102,12 @@ def compare(names, kernel, kernel_again, same_precision, truth) -> dict:
     return row
 
 
-def check_attention(lengths, head_dim, dtype, rotary_name, device, seed) -> dict:
+def backend_function(backend: str):
+    """The backend's own function (q, k, v, offsets, cos, sin, rotate_v), below the dispatcher."""
+    return _BACKENDS[backend].load(_BACKENDS[backend].function)
+
+
+def check_attention(lengths, head_dim, dtype, rotary_name, device, seed, backend="triton") -> dict:
     generator = torch.Generator(device="cpu").manual_seed(seed)
     offsets = ragged_offsets(lengths, device)
     shape = (int(offsets[-1]), HEADS, head_dim)
@@ -110,7 +119,7 @@ def check_attention(lengths, head_dim, dtype, rotary_name, device, seed) -> dict
         cos, sin = rotary_tables(rotary, offsets, shape[0], head_dim)
 
     def kernel(*x):
-        return block_attention(*x, offsets, rotary=rotary, backend="triton")
+        return block_attention(*x, offsets, rotary=rotary, backend=backend)
 
     def reference(*x, upcast=True):
         return block_attention_reference(*x, offsets, cos, sin, rotate_v, upcast=upcast)
@@ -119,7 +128,14 @@ def check_attention(lengths, head_dim, dtype, rotary_name, device, seed) -> dict
     same_precision = grads_of(lambda *x: reference(*x, upcast=False), (q, k, v), grad_out, dtype)
     # The fp64 truth sees the inputs rounded to dtype, exactly as the kernel does.
     truth = grads_of(reference, [x.to(dtype) for x in (q, k, v)], grad_out.to(dtype), torch.float64)
-    return compare(("out", "dq", "dk", "dv"), *runs, same_precision, truth)
+    row = compare(("out", "dq", "dk", "dv"), *runs, same_precision, truth)
+    if rotary is None and backend != "fa2":
+        fa2 = grads_of(lambda *x: block_attention(*x, offsets, backend="fa2"), (q, k, v), grad_out, dtype)
+        for name, result, exact in zip(("out", "dq", "dk", "dv"), fa2, truth):
+            fa2_err = (result.double() - exact).abs().max().item()
+            output = row["outputs"][name]
+            output.update(fa2_max_err=fa2_err, vs_fa2=output["max_err"] / fa2_err if fa2_err else math.inf)
+    return row
 
 
 def check_fused_projection(lengths, head_dim, dtype, device, seed, d_in=256) -> dict:
@@ -144,13 +160,13 @@ def check_fused_projection(lengths, head_dim, dtype, device, seed, d_in=256) -> 
     return compare(("out", "dx", "dw"), *runs, same_precision, truth)
 
 
-def check_empty(device) -> dict:
+def check_empty(device, backend="triton") -> dict:
     """Batches without tokens: empty outputs and gradients, through the API and the op itself."""
     offsets = ragged_offsets([0, 0], device)
     leaves = [torch.zeros(0, HEADS, 128, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     row = {"ok": True, "outputs": {}}
-    for name, attend in (("api", block_attention), ("op", triton_backend.block_attention_triton)):
-        out = attend(*leaves, offsets) if name == "op" else attend(*leaves, offsets, backend="triton")
+    for name, attend in (("api", block_attention), ("op", backend_function(backend))):
+        out = attend(*leaves, offsets) if name == "op" else attend(*leaves, offsets, backend=backend)
         grads = torch.autograd.grad(out, leaves, torch.zeros_like(out), allow_unused=True)
         shapes_ok = out.shape == (0, HEADS, 128) and all(g is None or g.shape == out.shape for g in grads)
         row["outputs"][name] = {"shapes_ok": shapes_ok}
@@ -158,7 +174,7 @@ def check_empty(device) -> dict:
     return row
 
 
-def check_compiled(device) -> dict:
+def check_compiled(device, backend="triton") -> dict:
     """torch.compile (inductor, fullgraph) of a layer around the kernel gives the eager result."""
     lengths = [3, 70, 200]
     offsets = ragged_offsets(lengths, device)
@@ -167,7 +183,7 @@ def check_compiled(device) -> dict:
     cos, sin = rotary_tables(Rotary(), offsets, q.shape[0], 64)
 
     def layer(q, k, v):
-        return triton_backend.block_attention_triton(q * 2, k, v, offsets, cos, sin).relu()
+        return backend_function(backend)(q * 2, k, v, offsets, cos, sin).relu()
 
     eager = grads_of(layer, (q, k, v), grad_out, torch.bfloat16)
     compiled = grads_of(torch.compile(layer, fullgraph=True), (q, k, v), grad_out, torch.bfloat16)
@@ -179,27 +195,33 @@ def check_compiled(device) -> dict:
     return row
 
 
-def cases(device):
+def cases(device, backend):
     rng = torch.Generator().manual_seed(1234)
     ragged = EDGE_LENGTHS + torch.randint(0, 600, (40,), generator=rng).tolist()
-    for head_dim in (32, 64, 128):
+    head_dims = (64, 128) if backend == "tlx" else (32, 64, 128)
+    for head_dim in head_dims:
         for rotary_name in ROTARY:
             yield f"D{head_dim} rotary={rotary_name} ragged bf16", lambda d=head_dim, r=rotary_name: check_attention(
-                ragged, d, torch.bfloat16, r, device, seed=d)
-    yield "D128 rotary=qk ragged fp16", lambda: check_attention(ragged, 128, torch.float16, "qk", device, seed=5)
+                ragged, d, torch.bfloat16, r, device, seed=d, backend=backend)
+    yield "D128 rotary=qk ragged fp16", lambda: check_attention(ragged, 128, torch.float16, "qk", device, seed=5,
+                                                               backend=backend)
+    yield "D64 rotary=none ragged fp16", lambda: check_attention(ragged, 64, torch.float16, "none", device, seed=8,
+                                                                backend=backend)
     # More work items than resident programs, so every program wraps around its persistent loop.
     many = [4096 + 17, 3000, 1] * 12
-    yield "D64 rotary=qkv many-items bf16", lambda: check_attention(many, 64, torch.bfloat16, "qkv", device, seed=6)
-    yield "all sequences empty", lambda: check_empty(device)
-    for head_dim in (64, 128):
-        yield f"D{head_dim} fused projection rotary=qk bf16", lambda d=head_dim: check_fused_projection(
-            ragged, d, torch.bfloat16, device, seed=10 + d)
-    yield "torch.compile fullgraph inductor D64 bf16", lambda: check_compiled(device)
+    yield "D64 rotary=qkv many-items bf16", lambda: check_attention(many, 64, torch.bfloat16, "qkv", device, seed=6,
+                                                                   backend=backend)
+    yield "all sequences empty", lambda: check_empty(device, backend)
+    if backend == "triton":
+        for head_dim in (64, 128):
+            yield f"D{head_dim} fused projection rotary=qk bf16", lambda d=head_dim: check_fused_projection(
+                ragged, d, torch.bfloat16, device, seed=10 + d)
+    yield "torch.compile fullgraph inductor D64 bf16", lambda: check_compiled(device, backend)
 
 
-def run_checks(device) -> list[dict]:
+def run_checks(device, backend="triton") -> list[dict]:
     rows = []
-    for name, run in cases(device):
+    for name, run in cases(device, backend):
         try:
             row = run()
         except Exception as error:
@@ -219,7 +241,8 @@ def print_row(row: dict) -> None:
     for name, o in row["outputs"].items():
         if "max_err" in o:
             flags = "".join(k[0] for k in ("finite", "error_ratio", "snr", "deterministic") if not o[k])
-            cells.append(f"{name} {o['max_err']:.2e}/{o['torch_max_err']:.2e} {o['snr_db']:5.1f}dB{' !' + flags if flags else ''}")
+            vs_fa2 = f" fa2x{o['vs_fa2']:.2f}" if "vs_fa2" in o else ""
+            cells.append(f"{name} {o['max_err']:.2e}/{o['torch_max_err']:.2e} {o['snr_db']:5.1f}dB{vs_fa2}{' !' + flags if flags else ''}")
         else:
             cells.append(f"{name} " + " ".join(f"{key}={value:.2g}" if isinstance(value, float) else f"{key}={value}" for key, value in o.items()))
     print(f"{status}  {row['case']:<42} " + " | ".join(cells), flush=True)
@@ -366,6 +389,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="JSON file for every number (needed unless --aot)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backend", default="triton", choices=("triton", "tlx"))
     parser.add_argument("--sweep", action="store_true", help="time the launch variants instead of the full check (~4 min)")
     parser.add_argument("--aot", action="store_true", help="no GPU: compile every variant for sm_90, print registers/spills")
     args = parser.parse_args()
@@ -376,7 +400,8 @@ def main() -> int:
     device = torch.device(args.device)
     import triton
 
-    env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(device)}
+    env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(device),
+           "backend": args.backend}
     print(env, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.sweep:
@@ -387,7 +412,7 @@ def main() -> int:
         print(f"{'FAIL' if wrong else 'PASS'}: variants with errors or wrong results: {sorted(set(wrong)) or 'none'}")
         return 1 if wrong else 0
     print("case: per output, max abs error kernel/torch-same-dtype vs fp64, SNR; ! flags = failed checks", flush=True)
-    rows = run_checks(device)
+    rows = run_checks(device, args.backend)
     report = {"env": env, "min_grad_snr_db": MIN_GRAD_SNR_DB, "error_ratio": ERROR_RATIO, "cases": rows}
     failed = [row["case"] for row in rows if not row["ok"]]
     args.out.write_text(json.dumps(report, indent=1, default=str))

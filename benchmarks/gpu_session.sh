@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine call that runs the GPU checks and benchmarks in order, each under its own
 # time limit, logging to $OUT/<step>.log and printing a short summary last (the reply carries the
-# tail). Steps: env, kernels, triton, tlx, sweep_tlx, sweep_triton, bench, bench_quick. Run from the repo root
-# after the offline parts are installed (PYTHONPATH=/tmp/site gives fbtriton/TLX, torchrec, datasets).
+# tail). Steps: env, kernels, triton, tlx, tlx_parity, host, sweep_tlx, sweep_triton, bench, bench_quick.
+# Run from the repo root after benchmarks/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0).
 #     bash benchmarks/gpu_session.sh env kernels triton tlx bench_quick
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -22,10 +22,12 @@ for s in "$@"; do
     kernels) step kernels 300 python3 -m pytest -q -x tests/test_kernels.py -p no:cacheprovider ;;
     triton) step triton 420 python3 benchmarks/gpu_check_triton.py --out "$OUT/parity_triton.json" ;;
     tlx) step tlx 420 python3 benchmarks/gpu_check_tlx.py ;;
+    tlx_parity) step tlx_parity 420 python3 benchmarks/gpu_check_triton.py --backend tlx --out "$OUT/parity_tlx.json" ;;
+    host) step host 300 python3 benchmarks/host_profile.py --out "$OUT/host_profile.json" ;;
     sweep_tlx) step sweep_tlx 420 python3 benchmarks/sweep_tlx.py --out "$OUT/sweep_tlx.json" ;;
     sweep_triton) step sweep_triton 420 python3 benchmarks/gpu_check_triton.py --sweep --out "$OUT/sweep_triton.json" ;;
     bench_quick) step bench_quick 480 python3 -m benchmarks.bench_attention --quick --out "$OUT/attention_quick" ;;
-    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" ;;
+    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,cudnn,mem_efficient,triton,tlx ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

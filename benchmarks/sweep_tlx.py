@@ -39,6 +39,9 @@ from kernels.tlx_block_attention import (  # noqa: E402
 )
 
 SHAPES = ((1024, 512, 4, 128), (2048, 256, 4, 64))  # (B, S, H, D), full 64-token blocks
+# Forward-only CUDA-graph timings that separate the batch size, head count and row pitch
+# (H*D*2 bytes) of the D=64 forward: 2048x256x4x64 ran at 21% of copy, 512x1024x8x64 at 81%.
+FWD_DIAG_SHAPES = ((512, 1024, 4, 64), (2048, 256, 8, 64), (512, 1024, 8, 64), (4096, 128, 2, 128))
 CHECK_LENGTHS = [0, 1, 63, 64, 65, 200, 130, 64 * 5 + 7]  # empty, partial and full blocks
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
@@ -156,6 +159,15 @@ def time_variant(problem, timer, copy_tbps) -> dict:
     return row
 
 
+def time_fwd_diag(problems, timer, copy_tbps) -> dict:
+    """Forward graph ms and % of copy at each diagnostic shape."""
+    diag = {}
+    for problem in problems:
+        ms = graph_ms(problem.raw_passes()["fwd"], timer)
+        diag[problem.label] = dict(fwd_graph_ms=ms, fwd_graph_pct_copy=percent_of_copy("fwd", problem, ms, copy_tbps))
+    return diag
+
+
 def time_dispatch(problem, timer) -> dict:
     """The default variant through kernels.block_attention, as bench_attention.py times it."""
     dispatched = lambda q, k, v, offsets: block_attention(q, k, v, offsets, backend="tlx")  # noqa: E731
@@ -218,6 +230,7 @@ def main() -> int:
                 python=platform.python_version(), copy_tbps=copy_tbps, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     log(f"{meta}")
     problems = [Problem(shape, device) for shape in SHAPES]
+    diag_problems = [Problem(shape, device) for shape in FWD_DIAG_SHAPES]
     names = [n for n in args.variants.split(",") if n] or list(TUNING_VARIANTS)
     rows, extras = [], {}
     for name in names:
@@ -239,6 +252,11 @@ def main() -> int:
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 rows.append(row)
                 torch.cuda.empty_cache()
+            try:
+                extras[f"fwd_diag_{name}"] = time_fwd_diag(diag_problems, timer, copy_tbps)
+            except Exception as exc:
+                traceback.print_exc()
+                extras[f"fwd_diag_{name}"] = dict(error=f"{type(exc).__name__}: {exc}")
             if name == "default":
                 for problem in problems[:1]:
                     try:

@@ -84,7 +84,6 @@ def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
 def _source(cfg: AotConfig):
     D = cfg.head_dim
     tile = f"tensordesc<{cfg.dtype}[64, {D}]>"
-    rot = f"tensordesc<fp32[64, {D // 2}]>"
     ptr = f"*{cfg.dtype}"
     tuning = tlx_config(D, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)
     constexprs = dict(HEAD_DIM=D, ROTARY=cfg.rotary, ROTATE_V=cfg.rotate_v, **tuning)
@@ -98,14 +97,14 @@ def _source(cfg: AotConfig):
         outs = ["dq_ptr", "dk_ptr", "dv_ptr"]
     signature = {name: tile for name in tiles}
     if cfg.rotary:
-        signature.update(desc_cos=rot, desc_sin=rot)
+        signature.update(cos_ptr="*fp32", sin_ptr="*fp32")
     else:
         # A None argument is a constexpr at launch time.
-        signature.update(desc_cos="constexpr", desc_sin="constexpr")
-        constexprs.update(desc_cos=None, desc_sin=None)
+        signature.update(cos_ptr="constexpr", sin_ptr="constexpr")
+        constexprs.update(cos_ptr=None, sin_ptr=None)
     for name in outs:
         signature[name] = ptr
-    # num_blocks is torch.count_nonzero's int64 scalar.
+    # num_blocks is counted_block_table's int64 scalar.
     signature.update(block_start_ptr="*i32", block_len_ptr="*i32", num_blocks_ptr="*i64", H="i32", stride_t="i32",
                      sm_scale="fp32")
     for name in constexprs:

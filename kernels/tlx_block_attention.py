@@ -4,7 +4,8 @@ Invariants every kernel here relies on:
 - q, k, v, grad_out (and the outputs) are contiguous [T, H, D] in fp16/bf16; viewed as 2-D
   [T, H*D] for TMA, so a (64-token block, head) tile is the box [64, D] at (start, h*D).
 - D is 64 or 128 (one wgmma N/K tile, TMA row of 128/256 bytes, D/2 rotary pairs).
-- cos/sin are contiguous fp32 [T, D/2]; their tile is the box [64, D/2] at (start, 0).
+- cos/sin are contiguous fp32 [T, D/2]; consumers load a block's rows straight into registers
+  (masked to the block's length), so the SMEM ring holds only the 16-bit tiles.
 - A block is BLOCK=64 tokens from its sequence's start (kernels.blocks.block_table); only the last
   block of a sequence is partial (len in 1..64). Its TMA tile runs into the next sequence (or TMA's
   zero fill past T): keys >= len are masked out of the softmax, query rows >= len are zeroed out
@@ -18,7 +19,8 @@ Invariants every kernel here relies on:
   consumer warpgroups take items round-robin (item j -> consumer j % NUM_CONSUMERS, slot j % NUM_STAGES). NUM_STAGES is a
   multiple of NUM_CONSUMERS, so each slot always has the same single consumer (empty arrive count 1).
 - One 64x64 score tile per item: exact softmax, no running max, no LSE saved; the backward
-  recomputes P and gets Di = rowsum(P * dP) from registers. No atomics: each item owns its block's
+  recomputes P and gets Di = rowsum(P * dP) from registers; dQ = dS K takes dS as a bf16 hi + lo pair
+  (fp32-accurate). No atomics: each item owns its block's
   rows of dq/dk/dv, so gradients are deterministic.
 """
 
@@ -33,7 +35,7 @@ try:
     import triton.language.extra.tlx as tlx
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .triton_block_attention import rotate_pairs  # one rotary tile helper for both kernels
+    from .triton_block_attention import _load_rotary, rotate_pairs  # one rotary tile helper for both kernels
 
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all
@@ -77,16 +79,18 @@ def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM
                O_TMA_STORE: bool = False, elem_size: int = 2) -> int:
     """Shared memory of one program: the ring plus per-consumer tiles and compiler scratch.
 
-    Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO; rotary adds fp32 cos,sin = 2*64*(D/2)*4 B.
+    Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO (cos/sin go to registers, not SMEM).
     Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the bwd keeps two 64x64
     transposed operand tiles (P^T, dS^T). Triton adds one layout-conversion scratch per consumer
     (measured on the AOT builds, tests/test_tlx_aot.py holds this model to them): 64xD 16-bit
-    for the fwd's rotary pair split/join, 8 KiB for a masked store from registers.
+    for the fwd's rotary pair split/join, else 8 KiB for a masked store from registers. The bwd
+    with rotary also parks the item's fp32 cos/sin per consumer.
     """
     tile = BLOCK_SIZE * head_dim * elem_size
-    slot = (4 if backward else 3) * tile + (2 * BLOCK_SIZE * (head_dim // 2) * 4 if rotary else 0)
+    slot = (4 if backward else 3) * tile
     if backward:
-        per_consumer = 2 * BLOCK_SIZE * BLOCK_SIZE * elem_size + 8192
+        rotary_tiles = 2 * BLOCK_SIZE * (head_dim // 2) * 4 if rotary else 0
+        per_consumer = 2 * BLOCK_SIZE * BLOCK_SIZE * elem_size + 8192 + rotary_tiles
     else:
         per_consumer = (tile if O_TMA_STORE else 0) + (tile if rotary else 0 if O_TMA_STORE else 8192)
     return NUM_STAGES * slot + NUM_CONSUMERS * per_consumer
@@ -101,9 +105,9 @@ def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | No
     on top of the defaults, with NUM_STAGES as deep as fits in 227 KiB unless given.
 
     Defaults: two consumer warpgroups (one's softmax runs while the other's wgmma does), except
-    the bwd at D=128 with rotary where a second consumer's scratch does not fit next to two
-    96 KiB slots; the fwd stores full O tiles by TMA from SMEM (async, no register-to-global
-    traffic on the consumer's critical path).
+    the bwd at D=128 with rotary; the fwd
+    stores full O tiles by TMA from SMEM (async, no register-to-global traffic on the consumer's
+    critical path).
     """
     direction = "bwd" if backward else "fwd"
     if overrides is None:
@@ -111,6 +115,7 @@ def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | No
     knobs = {k: _resolve_knob(v, head_dim) for k, v in overrides.items()}
     consumers = knobs.get("NUM_CONSUMERS")
     if consumers is None:
+        # The bwd at D=128 with rotary: two consumers' cos/sin tiles do not fit next to two slots.
         consumers = 1 if (backward and head_dim == 128 and rotary) else 2
     cfg = dict(NUM_CONSUMERS=consumers)
     if not backward:
@@ -171,7 +176,7 @@ if HAS_TLX:
 
     @triton.jit
     def _tlx_block_attn_fwd(
-        desc_q, desc_k, desc_v, desc_o, desc_cos, desc_sin,
+        desc_q, desc_k, desc_v, desc_o, cos_ptr, sin_ptr,
         out_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
         H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
@@ -182,18 +187,12 @@ if HAS_TLX:
         HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
         TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        if ROTARY:
-            SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES + 2 * BLOCK * HALF * 4
-        else:
-            SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES
+        SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
 
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        if ROTARY:
-            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
-            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
         if O_TMA_STORE:
             # Per-consumer staging of O, outside the ring so a slot is released right after PV
             # instead of after the TMA engine has read O out of it.
@@ -214,9 +213,6 @@ if HAS_TLX:
                     tlx.async_descriptor_load(desc_q, q_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    if ROTARY:
-                        tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
-                        tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -227,10 +223,13 @@ if HAS_TLX:
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
                     phase = (j // NUM_STAGES) & 1
+                    if ROTARY:
+                        # cos/sin come from global memory (L2: every head of a block reads the same
+                        # rows) straight into registers, issued before the wait so the latency
+                        # overlaps it; in the ring they took 40% of a D=128 slot and half its depth.
+                        c, s = _load_rotary(cos_ptr, sin_ptr, start, cols < length, BLOCK, HEAD_DIM)
                     tlx.barrier_wait(fulls[slot], phase)
                     if ROTARY:
-                        c = tlx.local_load(cos_bufs[slot])
-                        s = tlx.local_load(sin_bufs[slot])
                         # Rotated q feeds wgmma from registers; rotated k (and v) must be B operands,
                         # so they overwrite their own slot, fenced before the async proxy reads them.
                         q_rot = rotate_pairs(tlx.local_load(q_bufs[slot]).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
@@ -273,7 +272,7 @@ if HAS_TLX:
 
     @triton.jit
     def _tlx_block_attn_bwd(
-        desc_q, desc_k, desc_v, desc_do, desc_cos, desc_sin,
+        desc_q, desc_k, desc_v, desc_do, cos_ptr, sin_ptr,
         dq_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
         H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
@@ -283,22 +282,21 @@ if HAS_TLX:
         HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
         TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        if ROTARY:
-            SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES + 2 * BLOCK * HALF * 4
-        else:
-            SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES
+        SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
 
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         do_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        if ROTARY:
-            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
-            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
         # wgmma's A operand is read row-major from SMEM, so P^T and dS^T are written transposed.
         pT_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS)
         dsT_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS)
+        if ROTARY:
+            # The item's cos/sin, parked per consumer for the dQ/dK(/dV) epilogues: reloading them
+            # from global memory there needs 64-bit address tiles, which spill at D=128.
+            cos_tiles = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_CONSUMERS)
+            sin_tiles = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_CONSUMERS)
         fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
         empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
 
@@ -315,9 +313,6 @@ if HAS_TLX:
                     tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_do, do_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    if ROTARY:
-                        tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
-                        tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -330,16 +325,19 @@ if HAS_TLX:
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
                     phase = (j // NUM_STAGES) & 1
+                    row_ok = idx < length
+                    if ROTARY:
+                        c, s = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
                     tlx.barrier_wait(fulls[slot], phase)
                     q_s = q_bufs[slot]
                     k_s = k_bufs[slot]
                     v_s = v_bufs[slot]
                     do_s = do_bufs[slot]
                     if ROTARY:
+                        tlx.local_store(cos_tiles[cid], c)
+                        tlx.local_store(sin_tiles[cid], s)
                         # Rotated q, k (and v) are operands of several products (B of dK and dQ,
                         # B^T of S and dP), so they replace the raw tiles in the slot.
-                        c = tlx.local_load(cos_bufs[slot])
-                        s = tlx.local_load(sin_bufs[slot])
                         q_rot = rotate_pairs(tlx.local_load(q_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
                         k_rot = rotate_pairs(tlx.local_load(k_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
                         tlx.local_store(q_s, q_rot)
@@ -351,10 +349,10 @@ if HAS_TLX:
 
                     qk = tlx.async_dot(q_s, tlx.local_trans(k_s))
                     qk = tlx.async_dot_wait(0, qk)
-                    key_ok = (idx < length)[None, :]
+                    key_ok = row_ok[None, :]
                     # Rows >= length hold another sequence's q/dO: zero them in P and dS so they
                     # contribute nothing to dV = P^T dO and dK = dS^T Q.
-                    valid = (idx < length)[:, None] & key_ok
+                    valid = row_ok[:, None] & key_ok
                     qk = tl.where(key_ok, qk * qk_scale, float("-inf"))
                     m = tl.max(qk, 1)
                     p = tl.math.exp2(qk - m[:, None])
@@ -366,36 +364,42 @@ if HAS_TLX:
                     di = tl.sum(p * dp, 1)
                     ds = tl.where(valid, p * (dp - di[:, None]) * sm_scale, 0.0)
                     ds_lp = ds.to(dtype)
+                    # dS = hi + lo in two 16-bit tiles: dQ = hi K + lo K (fp32 accumulation) keeps
+                    # dS's fp32 precision, so dQ's error is little more than its one rounding to
+                    # bf16 (FA2 rounds dS once before dQ = dS K). The extra wgmma is free here.
+                    ds_lo = (ds - ds_lp.to(tl.float32)).to(dtype)
 
                     tlx.local_store(pT_buf, tl.trans(p.to(dtype)))
                     tlx.local_store(dsT_buf, tl.trans(ds_lp))
                     tlx.fence_async_shared()
 
+                    # dQ first, so the lo tile dies before the other two accumulators are live.
+                    dq = tlx.async_dot(ds_lp, k_s)
+                    dq = tlx.async_dot(ds_lo, k_s, dq)
+                    dq = tlx.async_dot_wait(0, dq)
+                    if ROTARY:
+                        c = tlx.local_load(cos_tiles[cid])
+                        s = tlx.local_load(sin_tiles[cid])
+                        dq = rotate_pairs(dq, c, s, BLOCK, HEAD_DIM, True)
+                    _store_tile(dq_ptr, dq, start, length, head, stride_t, BLOCK, HEAD_DIM)
+
                     dv = tlx.async_dot(pT_buf, do_s)
                     dv = tlx.async_dot_wait(0, dv)
                     if ROTARY and ROTATE_V:
-                        c = tlx.local_load(cos_bufs[slot])
-                        s = tlx.local_load(sin_bufs[slot])
+                        c = tlx.local_load(cos_tiles[cid])
+                        s = tlx.local_load(sin_tiles[cid])
                         dv = rotate_pairs(dv, c, s, BLOCK, HEAD_DIM, True)
                     _store_tile(dv_ptr, dv, start, length, head, stride_t, BLOCK, HEAD_DIM)
 
                     dk = tlx.async_dot(dsT_buf, q_s)
                     dk = tlx.async_dot_wait(0, dk)
                     if ROTARY:
-                        c = tlx.local_load(cos_bufs[slot])
-                        s = tlx.local_load(sin_bufs[slot])
+                        c = tlx.local_load(cos_tiles[cid])
+                        s = tlx.local_load(sin_tiles[cid])
                         dk = rotate_pairs(dk, c, s, BLOCK, HEAD_DIM, True)
-                    _store_tile(dk_ptr, dk, start, length, head, stride_t, BLOCK, HEAD_DIM)
-
-                    dq = tlx.async_dot(ds_lp, k_s)
-                    dq = tlx.async_dot_wait(0, dq)
-                    if ROTARY:
-                        c = tlx.local_load(cos_bufs[slot])
-                        s = tlx.local_load(sin_bufs[slot])
-                        dq = rotate_pairs(dq, c, s, BLOCK, HEAD_DIM, True)
-                    # Last read of the slot (cos/sin included): hand it back to the producer.
+                    # Last read of the slot: hand it back to the producer.
                     tlx.barrier_arrive(empties[slot], 1)
-                    _store_tile(dq_ptr, dq, start, length, head, stride_t, BLOCK, HEAD_DIM)
+                    _store_tile(dk_ptr, dk, start, length, head, stride_t, BLOCK, HEAD_DIM)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,11 +455,8 @@ def _desc_2d(x: torch.Tensor, block_cols: int):
     return TensorDescriptor(x2, shape=list(x2.shape), strides=[x2.shape[1], 1], block_shape=[BLOCK_SIZE, block_cols])
 
 
-def _rotary_descs(cos, sin, head_dim):
-    if cos is None:
-        return None, None
-    return (_desc_2d(_tma_ready(cos, BLOCK_SIZE), head_dim // 2),
-            _desc_2d(_tma_ready(sin, BLOCK_SIZE), head_dim // 2))
+def _rotary_tables(cos, sin):
+    return (None, None) if cos is None else (cos.contiguous(), sin.contiguous())
 
 
 def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
@@ -489,9 +490,8 @@ def _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rot
         # and those lie inside [0, T), so the padding is never written.
         out_tma = _tma_ready(out, BLOCK_SIZE)
         descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v)] + [_desc_2d(out_tma, D)]
-        desc_cos, desc_sin = _rotary_descs(cos, sin, D)
         _tlx_block_attn_fwd[_grid(q, block_start)](
-            *descs, desc_cos, desc_sin, out, block_start, block_len, num_blocks,
+            *descs, *_rotary_tables(cos, sin), out, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
             HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
@@ -511,9 +511,8 @@ def _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, co
         grad_out = grad_out.to(q.dtype)
     with torch.cuda.device(q.device):
         descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v, grad_out)]
-        desc_cos, desc_sin = _rotary_descs(cos, sin, D)
         _tlx_block_attn_bwd[_grid(q, block_start)](
-            *descs, desc_cos, desc_sin, dq, dk, dv, block_start, block_len, num_blocks,
+            *descs, *_rotary_tables(cos, sin), dq, dk, dv, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
             HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )

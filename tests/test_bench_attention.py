@@ -14,6 +14,7 @@ from kernels import block_attention_reference, offsets_from_lengths
 ROW_KEYS = {
     "impl", "shape", "pass", "rotary", "ms", "frac_copy_bw", "speedup_vs_fa2", "status", "skip_reason",
     "max_abs_err", "bwd_timing", "tokens", "min_bytes",
+    "graph_ms", "graph_frac_copy_bw", "graph_speedup_vs_fa2", "graph_skip_reason",
 }
 
 

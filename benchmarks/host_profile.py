@@ -1,0 +1,124 @@
+"""Where the host time of one block_attention call goes (run on a GPU):
+
+    python3 benchmarks/host_profile.py [--backends tlx triton fa2] [--out host_profile.json]
+
+On the first H200 sweep the TLX forward took 0.96 ms per eager call but 0.32 ms replayed from a
+CUDA graph, so the eager number measured the host, not the kernel. For each backend this prints
+- host_us: wall time per call on a tiny batch (device work negligible), forward and fwd+bwd;
+- the top functions by own time under cProfile over those calls;
+- at a full-size shape, the eager and CUDA-graph forward medians (do_bench), whose gap is host time.
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import block_attention, check_backend  # noqa: E402
+
+TINY = (4, 256, 4, 64)  # (B, S, H, D): a few microseconds of device work
+FULL = (2048, 256, 4, 64)
+
+
+def make_inputs(shape, device, requires_grad):
+    batch, seq_len, heads, head_dim = shape
+    tokens = batch * seq_len
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad_out = (torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+                         for _ in range(4))
+    offsets = torch.arange(0, tokens + 1, seq_len, device=device, dtype=torch.int32)
+    leaves = [x.requires_grad_(requires_grad) for x in (q, k, v)]
+    return leaves, grad_out, offsets
+
+
+def host_us(fn, calls=300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def top_functions(fn, calls=300, lines=22) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(lines)
+    return text.getvalue()
+
+
+def profile_backend(backend, device, timer) -> dict:
+    leaves, grad_out, offsets = make_inputs(TINY, device, True)
+
+    def fwd():
+        return block_attention(*leaves, offsets, backend=backend, check_offsets=False)
+
+    def fwd_bwd():
+        torch.autograd.grad(fwd(), leaves, grad_out)
+
+    row = dict(fwd_host_us=host_us(fwd), fwd_bwd_host_us=host_us(fwd_bwd))
+    with torch.no_grad():
+        row["fwd_no_grad_host_us"] = host_us(fwd)
+    row["fwd_profile"] = top_functions(fwd)
+    row["fwd_bwd_profile"] = top_functions(fwd_bwd, calls=150)
+
+    leaves, grad_out, offsets = make_inputs(FULL, device, False)
+
+    def full_fwd():
+        return block_attention(*leaves, offsets, backend=backend, check_offsets=False)
+
+    row["full_fwd_eager_ms"] = timer(full_fwd)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        full_fwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        full_fwd()
+    row["full_fwd_graph_ms"] = timer(graph.replay)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", default=["tlx", "triton", "fa2"])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import triton.testing
+
+    device = torch.device("cuda")
+    timer = lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))  # noqa: E731
+    report = {"torch": torch.__version__, "triton": triton.__version__, "tiny": TINY, "full": FULL}
+    for backend in args.backends:
+        try:
+            check_backend(backend, device)
+            row = profile_backend(backend, device, timer)
+        except Exception as exc:  # one backend's failure must not hide the others' numbers
+            row = dict(error=f"{type(exc).__name__}: {exc}")
+        report[backend] = row
+        numbers = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
+        print(f"== {backend}: {numbers or row}", flush=True)
+        print(row.get("fwd_profile", "")[:3500], flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
