@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_attention import captured  # noqa: E402
 from kernels import block_attention, check_backend  # noqa: E402
 
 TINY = (4, 256, 4, 64)  # (B, S, H, D): a few microseconds of device work
@@ -83,15 +84,7 @@ def profile_backend(backend, device, timer) -> dict:
         return block_attention(*leaves, offsets, backend=backend, check_offsets=False)
 
     row["full_fwd_eager_ms"] = timer(full_fwd)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        full_fwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        full_fwd()
-    row["full_fwd_graph_ms"] = timer(graph.replay)
+    row["full_fwd_graph_ms"] = timer(captured(full_fwd).replay)
     return row
 
 

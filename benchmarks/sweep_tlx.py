@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_attention import measure_copy_bw_tbps, min_bytes  # noqa: E402
+from benchmarks.bench_attention import captured, measure_copy_bw_tbps, min_bytes  # noqa: E402
 from benchmarks.gpu_check_tlx import TOL, make_case, rel_err, run_ref, run_tlx  # noqa: E402
 from kernels import block_attention  # noqa: E402
 from kernels.blocks import counted_block_table  # noqa: E402
@@ -126,14 +126,7 @@ class Problem:
 
 
 def graph_ms(fn, timer) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = captured(fn)
     try:
         return timer(graph.replay)
     finally:

@@ -105,9 +105,10 @@ def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | No
     on top of the defaults, with NUM_STAGES as deep as fits in 227 KiB unless given.
 
     Defaults: two consumer warpgroups (one's softmax runs while the other's wgmma does), except
-    the bwd at D=128 with rotary; the fwd
-    stores full O tiles by TMA from SMEM (async, no register-to-global traffic on the consumer's
-    critical path).
+    the bwd at D=128 with rotary; the fwd stores full O tiles by TMA from SMEM (async, no
+    register-to-global traffic on the consumer's critical path) unless its staging tiles would
+    cost ring depth (D=128 rotary: 2 slots with them, 4 without). On the H200 the two O stores
+    timed alike at equal depth (benchmarks/results/sweep_tlx_h200.log), so depth decides.
     """
     direction = "bwd" if backward else "fwd"
     if overrides is None:
@@ -117,18 +118,25 @@ def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | No
     if consumers is None:
         # The bwd at D=128 with rotary: two consumers' cos/sin tiles do not fit next to two slots.
         consumers = 1 if (backward and head_dim == 128 and rotary) else 2
-    cfg = dict(NUM_CONSUMERS=consumers)
-    if not backward:
-        o_tma = knobs.get("O_TMA_STORE")
-        cfg["O_TMA_STORE"] = True if o_tma is None else bool(o_tma)
-    extra = {k: v for k, v in cfg.items() if k != "NUM_CONSUMERS"}
-    stages = knobs.get("NUM_STAGES")
-    if stages is None:
-        # The deepest ring (a multiple of the consumer count) that fits.
+
+    def deepest_ring(extra: dict) -> int:
+        # The deepest ring (a multiple of the consumer count) that fits, or the one asked for.
+        if knobs.get("NUM_STAGES") is not None:
+            return knobs["NUM_STAGES"]
         stages = consumers
         while (stages + consumers <= MAX_STAGES and smem_bytes(head_dim, rotary, backward, stages + consumers,
                                                                consumers, **extra) + SMEM_SLACK <= SM90_MAX_SMEM):
             stages += consumers
+        return stages
+
+    cfg = dict(NUM_CONSUMERS=consumers)
+    if not backward:
+        o_tma = knobs.get("O_TMA_STORE")
+        if o_tma is None:
+            o_tma = deepest_ring(dict(O_TMA_STORE=True)) >= deepest_ring(dict(O_TMA_STORE=False))
+        cfg["O_TMA_STORE"] = bool(o_tma)
+    extra = {k: v for k, v in cfg.items() if k != "NUM_CONSUMERS"}
+    stages = deepest_ring(extra)
     cfg["NUM_STAGES"] = stages
     if consumers not in (1, 2) or stages < 1 or stages % consumers:
         raise ValueError(f"{direction} config {cfg}: NUM_CONSUMERS must be 1 or 2 and NUM_STAGES a positive "
