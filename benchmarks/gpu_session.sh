@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine call that runs the GPU checks and benchmarks in order, each under its own
 # time limit, logging to $OUT/<step>.log and printing a short summary last (the reply carries the
-# tail). Steps: env, kernels, triton, tlx, tlx_parity, host, sweep_tlx, sweep_triton, bench, bench_quick.
+# tail). Steps: env, kernels, triton, tlx, tlx_parity, host, sweep_tlx, sweep_triton, bench, bench_quick,
+# compare.
 # Run from the repo root after benchmarks/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0).
 #     bash benchmarks/gpu_session.sh env kernels triton tlx bench_quick
 set -uo pipefail
@@ -26,8 +27,9 @@ for s in "$@"; do
     host) step host 300 python3 benchmarks/host_profile.py --out "$OUT/host_profile.json" ;;
     sweep_tlx) step sweep_tlx 420 python3 benchmarks/sweep_tlx.py --out "$OUT/sweep_tlx.json" ;;
     sweep_triton) step sweep_triton 420 python3 benchmarks/gpu_check_triton.py --sweep --out "$OUT/sweep_triton.json" ;;
+    compare) step compare 580 bash -c 'python3 train.py compare --attn tlx triton fa2 reference --config configs/gpu.yaml --steps 200 --seeds 2 --out /tmp/compare_h200 --data.num_train=409600 --data.num_val=32768 --trainer.val_check_interval=100 && cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/' ;;
     bench_quick) step bench_quick 480 python3 -m benchmarks.bench_attention --quick --out "$OUT/attention_quick" ;;
-    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,cudnn,mem_efficient,triton,tlx ;;
+    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,cudnn,mem_efficient,triton,tlx --shapes full,jagged:1152x1024x4x128 ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
