@@ -91,13 +91,15 @@ def compare(names, kernel, kernel_again, same_precision, truth) -> dict:
         err = (result.double() - exact).abs().max().item()
         base = (baseline.double() - exact).abs().max().item()
         snr = snr_db(result, exact)
+        # No output in this dtype can beat the truth rounded to it: half an ulp of its largest entry.
+        floor = (exact.to(result.dtype).double() - exact).abs().max().item()
         checks = {
             "finite": bool(torch.isfinite(result).all()),
             "error_ratio": err <= ERROR_RATIO * base + ABS_FLOOR,
             "snr": name == names[0] or snr >= MIN_GRAD_SNR_DB,  # the SNR bar is for gradients
             "deterministic": torch.equal(result, again),
         }
-        row["outputs"][name] = dict(max_err=err, torch_max_err=base, snr_db=snr, **checks)
+        row["outputs"][name] = dict(max_err=err, torch_max_err=base, rounding_floor=floor, snr_db=snr, **checks)
         row["ok"] &= all(checks.values())
     return row
 
@@ -242,7 +244,8 @@ def print_row(row: dict) -> None:
         if "max_err" in o:
             flags = "".join(k[0] for k in ("finite", "error_ratio", "snr", "deterministic") if not o[k])
             vs_fa2 = f" fa2x{o['vs_fa2']:.2f}" if "vs_fa2" in o else ""
-            cells.append(f"{name} {o['max_err']:.2e}/{o['torch_max_err']:.2e} {o['snr_db']:5.1f}dB{vs_fa2}{' !' + flags if flags else ''}")
+            cells.append(f"{name} {o['max_err']:.2e}/{o['torch_max_err']:.2e}/{o['rounding_floor']:.2e} {o['snr_db']:5.1f}dB"
+                         f"{vs_fa2}{' !' + flags if flags else ''}")
         else:
             cells.append(f"{name} " + " ".join(f"{key}={value:.2g}" if isinstance(value, float) else f"{key}={value}" for key, value in o.items()))
     print(f"{status}  {row['case']:<42} " + " | ".join(cells), flush=True)
@@ -411,7 +414,8 @@ def main() -> int:
         wrong = [f"{r['variant']}" for r in report["sweep"] if "error" in r or not all(r.get("correct", {}).values())]
         print(f"{'FAIL' if wrong else 'PASS'}: variants with errors or wrong results: {sorted(set(wrong)) or 'none'}")
         return 1 if wrong else 0
-    print("case: per output, max abs error kernel/torch-same-dtype vs fp64, SNR; ! flags = failed checks", flush=True)
+    print("case: per output, max abs error kernel/torch-same-dtype/rounding floor vs fp64, SNR; ! flags = failed checks",
+          flush=True)
     rows = run_checks(device, args.backend)
     report = {"env": env, "min_grad_snr_db": MIN_GRAD_SNR_DB, "error_ratio": ERROR_RATIO, "cases": rows}
     failed = [row["case"] for row in rows if not row["ok"]]
