@@ -93,9 +93,10 @@ _BACKENDS = {
 BACKENDS = ("auto", *_BACKENDS)
 # Fastest first; `auto` takes the first that can run the given inputs.
 _AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
-# Measured on an H200 (benchmarks/results/attention_h200.md, compare_h200.md): at head_dim 64 the
-# Triton kernel beats the TLX one (fwd+bwd 1.13 vs 1.54 ms at 2048x256x4x64, and a 13% faster
-# training step), so `auto` prefers it there; at head_dim 128 TLX is faster.
+# Measured on an H200 (benchmarks/results/attention_h200.md, compare_h200_rerun.md): at head_dim 64
+# with rotary, as the model runs it, the Triton kernel beats the TLX one (fwd+bwd 1.046 vs 1.104 ms
+# at 2048x256x4x64, and a 7% faster training step), so `auto` prefers it there; at head_dim 128
+# without rotary TLX is faster (fwd+bwd 1.500 vs 1.684 ms).
 _AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
 
 
