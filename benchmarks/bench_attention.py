@@ -407,9 +407,10 @@ def time_pass(pass_: str, forward: Callable, inputs: Inputs, timer: Callable) ->
     return timer(run_forward_backward) - timer(run_forward), f"fwd+bwd minus fwd; retain_graph failed: {reason}"
 
 
-def captured(fn: Callable) -> torch.cuda.CUDAGraph:
-    """fn recorded in a CUDA graph (after one run on a side stream, as capture requires)."""
-    side = torch.cuda.Stream()
+def replay_ms(fn: Callable, timer: Callable) -> float:
+    """timer's median of fn replayed from a CUDA graph: device time without the host's work. The
+    graph (and its memory pool) is released on return."""
+    side = torch.cuda.Stream()  # capture wants one run first, off the capturing stream
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
@@ -417,21 +418,17 @@ def captured(fn: Callable) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph
+    return timer(graph.replay)
 
 
 def time_graphs(forward: Callable, inputs: Inputs, timer: Callable) -> dict[str, float]:
     """Replay medians of fwd and fwd+bwd captured in CUDA graphs; bwd is their difference (a
     backward alone can't be captured: autograd runs it on the forward's stream, not the capture's)."""
     leaves, grad_out = (inputs.q, inputs.k, inputs.v), inputs.grad_out
-    ms = {}
-    for pass_, fn in (("fwd", lambda: forward(*leaves)),
-                      ("fwd+bwd", lambda: torch.autograd.grad(forward(*leaves), leaves, grad_out))):
-        graph = captured(fn)
-        try:
-            ms[pass_] = timer(graph.replay)
-        finally:
-            del graph
+    ms = {
+        "fwd": replay_ms(lambda: forward(*leaves), timer),
+        "fwd+bwd": replay_ms(lambda: torch.autograd.grad(forward(*leaves), leaves, grad_out), timer),
+    }
     ms["bwd"] = ms["fwd+bwd"] - ms["fwd"]
     return ms
 

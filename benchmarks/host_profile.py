@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_attention import captured  # noqa: E402
+from benchmarks.bench_attention import replay_ms  # noqa: E402
 from kernels import block_attention, check_backend  # noqa: E402
 
 TINY = (4, 256, 4, 64)  # (B, S, H, D): a few microseconds of device work
@@ -84,7 +84,7 @@ def profile_backend(backend, device, timer) -> dict:
         return block_attention(*leaves, offsets, backend=backend, check_offsets=False)
 
     row["full_fwd_eager_ms"] = timer(full_fwd)
-    row["full_fwd_graph_ms"] = timer(captured(full_fwd).replay)
+    row["full_fwd_graph_ms"] = replay_ms(full_fwd, timer)
     return row
 
 

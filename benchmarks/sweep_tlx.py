@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_attention import captured, measure_copy_bw_tbps, min_bytes  # noqa: E402
+from benchmarks.bench_attention import measure_copy_bw_tbps, min_bytes, replay_ms  # noqa: E402
 from benchmarks.gpu_check_tlx import TOL, make_case, rel_err, run_ref, run_tlx  # noqa: E402
 from kernels import block_attention  # noqa: E402
 from kernels.blocks import counted_block_table  # noqa: E402
@@ -125,14 +125,6 @@ class Problem:
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
-def graph_ms(fn, timer) -> float:
-    graph = captured(fn)
-    try:
-        return timer(graph.replay)
-    finally:
-        del graph
-
-
 def percent_of_copy(pass_, problem, ms, copy_tbps):
     _, _, heads, head_dim = problem.shape
     nbytes = min_bytes(pass_, problem.tokens, heads, head_dim, 2, rotary=False)
@@ -145,7 +137,7 @@ def time_variant(problem, timer, copy_tbps) -> dict:
     for pass_, fn in problem.eager_passes(tlx_direct).items():
         row[f"{pass_}_ms"] = timer(fn)
     for pass_, fn in problem.raw_passes().items():
-        row[f"{pass_}_graph_ms"] = graph_ms(fn, timer)
+        row[f"{pass_}_graph_ms"] = replay_ms(fn, timer)
     for pass_ in PASSES:
         row[f"{pass_}_pct_copy"] = percent_of_copy(pass_, problem, row[f"{pass_}_ms"], copy_tbps)
         row[f"{pass_}_graph_pct_copy"] = percent_of_copy(pass_, problem, row[f"{pass_}_graph_ms"], copy_tbps)
@@ -156,7 +148,7 @@ def time_fwd_diag(problems, timer, copy_tbps) -> dict:
     """Forward graph ms and % of copy at each diagnostic shape."""
     diag = {}
     for problem in problems:
-        ms = graph_ms(problem.raw_passes()["fwd"], timer)
+        ms = replay_ms(problem.raw_passes()["fwd"], timer)
         diag[problem.label] = dict(fwd_graph_ms=ms, fwd_graph_pct_copy=percent_of_copy("fwd", problem, ms, copy_tbps))
     return diag
 
