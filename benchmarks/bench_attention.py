@@ -531,15 +531,15 @@ def bench_impl(impl: Impl, inputs: Inputs, rotary: bool, timer: Callable, copy_b
         rows.append(row)
         free_memory(device, after_error=row["ms"] is None)
     if graph:
+        graph_ms, graph_skip_reason = {}, None
         try:
             graph_ms = time_graphs(forward, inputs, timer)
         except Exception as error:
-            graph_ms, reason = {}, describe(error)
+            graph_skip_reason = describe(error)
         for row in rows:
             row["graph_ms"] = graph_ms.get(row["pass"])
-            if row["graph_ms"] is None:
-                row["graph_skip_reason"] = reason
-            else:
+            row["graph_skip_reason"] = graph_skip_reason
+            if row["graph_ms"] is not None:
                 row["graph_frac_copy_bw"] = frac_copy_bw(row["min_bytes"], row["graph_ms"], copy_bw_tbps)
         free_memory(device, after_error=not graph_ms)
     return rows
