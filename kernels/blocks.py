@@ -187,13 +187,10 @@ def counted_block_table(
     return block_start, block_len, torch.count_nonzero(block_len)
 
 
-def block_cu_seqlens(offsets: torch.Tensor, total_tokens: int | None = None, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+def block_cu_seqlens(offsets: torch.Tensor, total_tokens: int | None = None) -> torch.Tensor:
     """Offsets of the blocks themselves (int32 [max_num_blocks + 1]): each block as its own
     sequence, which is how varlen kernels such as FlashAttention-2 express block-diagonal
     attention. The unused rows of the block table become empty sequences at the end."""
     total = int(offsets[-1]) if total_tokens is None else total_tokens
-    if block_size == BLOCK_SIZE:
-        block_start = counted_block_table(offsets, total)[0]
-    else:
-        block_start, _ = block_table(offsets, total, block_size)
+    block_start = counted_block_table(offsets, total)[0]
     return torch.cat([block_start, block_start.new_full((1,), total)])
