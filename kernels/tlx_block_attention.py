@@ -192,7 +192,6 @@ if HAS_TLX:
         O_TMA_STORE: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
-        HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
         TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
         SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES
