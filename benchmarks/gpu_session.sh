@@ -25,7 +25,7 @@ for s in "$@"; do
     tlx) step tlx 420 python3 benchmarks/gpu_check_tlx.py ;;
     tlx_parity) step tlx_parity 420 python3 benchmarks/gpu_check_triton.py --backend tlx --out "$OUT/parity_tlx.json" ;;
     host) step host 300 python3 benchmarks/host_profile.py --out "$OUT/host_profile.json" ;;
-    sweep_tlx) step sweep_tlx 420 python3 benchmarks/sweep_tlx.py --out "$OUT/sweep_tlx.json" ;;
+    sweep_tlx) step sweep_tlx 420 python3 benchmarks/sweep_tlx.py --out "$OUT/sweep_tlx.json" ${SWEEP_VARIANTS:+--variants "$SWEEP_VARIANTS"} ;;
     sweep_triton) step sweep_triton 420 python3 benchmarks/gpu_check_triton.py --sweep --out "$OUT/sweep_triton.json" ;;
     compare) step compare 580 bash -c 'python3 train.py compare --attn tlx triton fa2 reference --config configs/gpu.yaml --steps 200 --seeds 2 --out /tmp/compare_h200 --data.num_train=409600 --data.num_val=32768 --trainer.val_check_interval=100 && cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/' ;;
     bench_quick) step bench_quick 480 python3 -m benchmarks.bench_attention --quick --out "$OUT/attention_quick" ;;

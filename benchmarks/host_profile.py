@@ -6,13 +6,16 @@ On the first H200 sweep the TLX forward took 0.96 ms per eager call but 0.32 ms 
 CUDA graph, so the eager number measured the host, not the kernel. For each backend this prints
 - host_us: wall time per call on a tiny batch (device work negligible), forward and fwd+bwd;
 - the top functions by own time under cProfile over those calls;
-- at a full-size shape, the eager and CUDA-graph forward medians (do_bench), whose gap is host time.
+- at a full-size shape, the eager and CUDA-graph forward medians (do_bench), whose gap is host time;
+- host_stages_us: each layer of one forward call timed alone (custom-op wrappers hide their
+  callees from cProfile, so its own-time column cannot say which layer costs what).
 """
 
 import argparse
 import cProfile
 import io
 import json
+import math
 import pstats
 import sys
 import time
@@ -63,6 +66,61 @@ def top_functions(fn, calls=300, lines=22) -> str:
     return text.getvalue()
 
 
+def host_stages(backend, device) -> dict:
+    """Host microseconds of each layer of one no-grad forward on the tiny batch, innermost first,
+    and of the public function and the dispatcher with autograd recording."""
+    from kernels.blocks import counted_block_table
+
+    leaves, _, offsets = make_inputs(TINY, device, False)
+    q, k, v = leaves
+    tokens, heads, head_dim = q.shape
+    table = counted_block_table(offsets, tokens)
+
+    def device_context():
+        with torch.cuda.device(q.device):
+            pass
+
+    stages = {"block_table": lambda: counted_block_table(offsets, tokens), "device_context": device_context}
+    if backend == "tlx":
+        from kernels import tlx_block_attention as m
+
+        cfg = m.tlx_config(head_dim, False, False)
+        out = torch.empty_like(q)
+        descs = [m._desc_2d(m._tma_ready(x, 64), head_dim) for x in (q, k, v, out)]
+        grid = m._grid(q, table[0])
+
+        def kernel_launch():
+            m._tlx_block_attn_fwd[grid](*descs, None, None, out, *table, heads, heads * head_dim, 1 / math.sqrt(head_dim),
+                                        HEAD_DIM=head_dim, ROTARY=False, ROTATE_V=False, num_warps=4, num_stages=1, **cfg)
+
+        stages.update(
+            check_inputs=lambda: m._check_inputs(q, k, v, offsets, None, None),
+            unsupported_reason=lambda: m.tlx_unsupported_reason(q),
+            tlx_config=lambda: m.tlx_config(head_dim, False, False),
+            descriptors=lambda: [m._desc_2d(m._tma_ready(x, 64), head_dim) for x in (q, k, v, out)],
+            kernel_launch=kernel_launch,
+            forward_impl=lambda: m._tlx_forward_impl(q, k, v, *table, None, None, False),
+            custom_op=lambda: m._tlx_fwd_op(q, k, v, *table, None, None, False),
+            public_function=lambda: m.block_attention_tlx(q, k, v, offsets),
+        )
+    elif backend == "triton":
+        from kernels import triton_block_attention as m
+
+        out = torch.empty_like(q)
+        stages.update(
+            launch_forward=lambda: m._launch_forward(q, k, v, *table, None, None, False, out),
+            custom_op=lambda: m._forward_op(q, k, v, *table, None, None, False),
+            public_function=lambda: m.block_attention_triton(q, k, v, offsets),
+        )
+    stages["dispatcher"] = lambda: block_attention(q, k, v, offsets, backend=backend, check_offsets=False)
+    result = {name: host_us(fn) for name, fn in stages.items()}
+    leaves = [x.requires_grad_() for x in leaves]
+    if "public_function" in stages:
+        result["public_function_grad"] = host_us(lambda: stages["public_function"]())
+    result["dispatcher_grad"] = host_us(lambda: block_attention(*leaves, offsets, backend=backend, check_offsets=False))
+    return result
+
+
 def profile_backend(backend, device, timer) -> dict:
     leaves, grad_out, offsets = make_inputs(TINY, device, True)
 
@@ -72,7 +130,7 @@ def profile_backend(backend, device, timer) -> dict:
     def fwd_bwd():
         torch.autograd.grad(fwd(), leaves, grad_out)
 
-    row = dict(fwd_host_us=host_us(fwd), fwd_bwd_host_us=host_us(fwd_bwd))
+    row = dict(fwd_host_us=host_us(fwd), fwd_bwd_host_us=host_us(fwd_bwd), host_stages_us=host_stages(backend, device))
     with torch.no_grad():
         row["fwd_no_grad_host_us"] = host_us(fwd)
     row["fwd_profile"] = top_functions(fwd)
@@ -107,6 +165,8 @@ def main() -> int:
         report[backend] = row
         numbers = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
         print(f"== {backend}: {numbers or row}", flush=True)
+        for stage, us in row.get("host_stages_us", {}).items():
+            print(f"   {stage:22} {us:8.1f} us", flush=True)
         print(row.get("fwd_profile", "")[:3500], flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

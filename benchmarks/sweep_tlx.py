@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_attention import measure_copy_bw_tbps, min_bytes, replay_ms  # noqa: E402
 from benchmarks.gpu_check_tlx import TOL, make_case, rel_err, run_ref, run_tlx  # noqa: E402
-from kernels import block_attention  # noqa: E402
+from kernels import Rotary, block_attention, rotary_tables  # noqa: E402
 from kernels.blocks import counted_block_table  # noqa: E402
 from kernels.tlx_aot import TUNING_VARIANTS  # noqa: E402
 from kernels.tlx_block_attention import (  # noqa: E402
@@ -59,10 +59,9 @@ def make_timer(warmup_ms: int, rep_ms: int):
 def check_variant(device) -> dict:
     """Max rel errors over the check cases, and whether all are within tolerance and deterministic."""
     errs, ok = {}, True
-    # No rotary: the variants' kernels are the ones tests/test_tlx_aot.py compiles (gpu_check_tlx.py
-    # covers the default's rotary kernels).
-    for head_dim in (64, 128):
-        q, k, v, do, offsets, cos, sin = make_case(CHECK_LENGTHS, 3, head_dim, torch.bfloat16, False, device, head_dim)
+    # bf16 with and without rotary: the variants' kernels that tests/test_tlx_aot.py compiles.
+    for head_dim, rotary in ((64, False), (128, False), (64, True), (128, True)):
+        q, k, v, do, offsets, cos, sin = make_case(CHECK_LENGTHS, 3, head_dim, torch.bfloat16, rotary, device, head_dim)
         out, grads = run_tlx(q, k, v, do, offsets, cos, sin, False)
         ref_out, ref_grads = run_ref(q, k, v, do, offsets, cos, sin, False)
         case_errs = {"out": rel_err(out, ref_out)}
@@ -90,10 +89,16 @@ class Problem:
             for _ in range(4))
         self.offsets = torch.arange(0, self.tokens + 1, seq_len, device=device, dtype=torch.int32)
         self.leaves = [x.requires_grad_() for x in (self.q, self.k, self.v)]
+        self.tables = rotary_tables(Rotary(), self.offsets, self.tokens, head_dim)
 
-    def eager_passes(self, forward):
+    def rotary_args(self, rotary: bool):
+        return self.tables if rotary else (None, None)
+
+    def eager_passes(self, forward, rotary=False):
+        cos, sin = self.rotary_args(rotary)
+
         def fwd():
-            return forward(*self.leaves, self.offsets)
+            return forward(*self.leaves, self.offsets, cos, sin)
 
         def fwd_bwd():
             torch.autograd.grad(fwd(), self.leaves, self.grad_out)
@@ -105,42 +110,42 @@ class Problem:
 
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
-    def raw_passes(self):
+    def raw_passes(self, rotary=False):
         """The ops' launches without autograd or Python checks, for CUDA-graph capture."""
         q, k, v = (x.detach() for x in self.leaves)
+        cos, sin = self.rotary_args(rotary)
 
         def fwd():
             table = counted_block_table(self.offsets, self.tokens)
-            return _tlx_forward_impl(q, k, v, *table, None, None, False)
+            return _tlx_forward_impl(q, k, v, *table, cos, sin, False)
 
         def bwd():
             table = counted_block_table(self.offsets, self.tokens)
-            return _tlx_backward_impl(self.grad_out, q, k, v, *table, None, None, False)
+            return _tlx_backward_impl(self.grad_out, q, k, v, *table, cos, sin, False)
 
         def fwd_bwd():
             table = counted_block_table(self.offsets, self.tokens)
-            _tlx_forward_impl(q, k, v, *table, None, None, False)
-            return _tlx_backward_impl(self.grad_out, q, k, v, *table, None, None, False)
+            _tlx_forward_impl(q, k, v, *table, cos, sin, False)
+            return _tlx_backward_impl(self.grad_out, q, k, v, *table, cos, sin, False)
 
         return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
-def percent_of_copy(pass_, problem, ms, copy_tbps):
+def percent_of_copy(pass_, problem, ms, copy_tbps, rotary=False):
     _, _, heads, head_dim = problem.shape
-    nbytes = min_bytes(pass_, problem.tokens, heads, head_dim, 2, rotary=False)
+    nbytes = min_bytes(pass_, problem.tokens, heads, head_dim, 2, rotary=rotary)
     return 100.0 * nbytes / (ms * 1e-3) / (copy_tbps * 1e12)
 
 
-def time_variant(problem, timer, copy_tbps) -> dict:
-    tlx_direct = lambda q, k, v, offsets: block_attention_tlx(q, k, v, offsets)  # noqa: E731
+def time_variant(problem, timer, copy_tbps, rotary=False) -> dict:
     row = {}
-    for pass_, fn in problem.eager_passes(tlx_direct).items():
+    for pass_, fn in problem.eager_passes(block_attention_tlx, rotary).items():
         row[f"{pass_}_ms"] = timer(fn)
-    for pass_, fn in problem.raw_passes().items():
+    for pass_, fn in problem.raw_passes(rotary).items():
         row[f"{pass_}_graph_ms"] = replay_ms(fn, timer)
     for pass_ in PASSES:
-        row[f"{pass_}_pct_copy"] = percent_of_copy(pass_, problem, row[f"{pass_}_ms"], copy_tbps)
-        row[f"{pass_}_graph_pct_copy"] = percent_of_copy(pass_, problem, row[f"{pass_}_graph_ms"], copy_tbps)
+        row[f"{pass_}_pct_copy"] = percent_of_copy(pass_, problem, row[f"{pass_}_ms"], copy_tbps, rotary)
+        row[f"{pass_}_graph_pct_copy"] = percent_of_copy(pass_, problem, row[f"{pass_}_graph_ms"], copy_tbps, rotary)
     return row
 
 
@@ -155,7 +160,7 @@ def time_fwd_diag(problems, timer, copy_tbps) -> dict:
 
 def time_dispatch(problem, timer) -> dict:
     """The default variant through kernels.block_attention, as bench_attention.py times it."""
-    dispatched = lambda q, k, v, offsets: block_attention(q, k, v, offsets, backend="tlx")  # noqa: E731
+    dispatched = lambda q, k, v, offsets, cos, sin: block_attention(q, k, v, offsets, backend="tlx")  # noqa: E731
     return {f"{pass_}_ms": timer(fn) for pass_, fn in problem.eager_passes(dispatched).items()}
 
 
@@ -197,6 +202,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--variants", default="", help="comma-separated subset of TUNING_VARIANTS")
+    parser.add_argument("--rotary", choices=("both", "off", "on"), default="both")
+    parser.add_argument("--fwd-diag", action="store_true", help="also time the forward at FWD_DIAG_SHAPES")
     parser.add_argument("--warmup-ms", type=int, default=10)
     parser.add_argument("--rep-ms", type=int, default=60)
     args = parser.parse_args()
@@ -215,33 +222,37 @@ def main() -> int:
                 python=platform.python_version(), copy_tbps=copy_tbps, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     log(f"{meta}")
     problems = [Problem(shape, device) for shape in SHAPES]
-    diag_problems = [Problem(shape, device) for shape in FWD_DIAG_SHAPES]
+    diag_problems = [Problem(shape, device) for shape in FWD_DIAG_SHAPES] if args.fwd_diag else []
+    rotary_settings = {"both": (False, True), "off": (False,), "on": (True,)}[args.rotary]
     names = [n for n in args.variants.split(",") if n] or list(TUNING_VARIANTS)
     rows, extras = [], {}
     for name in names:
         fwd_knobs, bwd_knobs = TUNING_VARIANTS[name]
         t0 = time.perf_counter()
         with tuning_overrides(fwd=fwd_knobs, bwd=bwd_knobs):
-            configs = {f"{d}_d{D}": tlx_config(D, False, d == "bwd") for d in ("fwd", "bwd") for D in (64, 128)}
+            configs = {f"{d}_d{D}{'_rotary' * r}": tlx_config(D, r, d == "bwd")
+                       for d in ("fwd", "bwd") for D in (64, 128) for r in (False, True)}
             try:
                 check = check_variant(device)
             except Exception as exc:
                 traceback.print_exc()
                 check = dict(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             for problem in problems:
-                row = dict(variant=name, shape=problem.label, configs=configs, check=check)
+                for rotary in rotary_settings:
+                    row = dict(variant=name, shape=problem.label, rotary=rotary, configs=configs, check=check)
+                    try:
+                        row.update(time_variant(problem, timer, copy_tbps, rotary))
+                    except Exception as exc:
+                        traceback.print_exc()
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    rows.append(row)
+                    torch.cuda.empty_cache()
+            if args.fwd_diag:
                 try:
-                    row.update(time_variant(problem, timer, copy_tbps))
+                    extras[f"fwd_diag_{name}"] = time_fwd_diag(diag_problems, timer, copy_tbps)
                 except Exception as exc:
                     traceback.print_exc()
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                rows.append(row)
-                torch.cuda.empty_cache()
-            try:
-                extras[f"fwd_diag_{name}"] = time_fwd_diag(diag_problems, timer, copy_tbps)
-            except Exception as exc:
-                traceback.print_exc()
-                extras[f"fwd_diag_{name}"] = dict(error=f"{type(exc).__name__}: {exc}")
+                    extras[f"fwd_diag_{name}"] = dict(error=f"{type(exc).__name__}: {exc}")
             if name == "default":
                 for problem in problems[:1]:
                     try:
@@ -252,19 +263,19 @@ def main() -> int:
                         extras[f"dispatch_{problem.label}"] = dict(error=f"{type(exc).__name__}: {exc}")
         log(f"variant {name}: {time.perf_counter() - t0:.1f}s")
 
-    head = (f"{'variant':26} {'shape':16} {'ok':3} {'err out/dq':>15} | {'fwd':>6} {'bwd':>6} {'f+b':>6} ms | graph "
+    head = (f"{'variant':26} {'shape':16} {'rot':3} {'ok':3} {'err out/dq':>15} | {'fwd':>6} {'bwd':>6} {'f+b':>6} ms | graph "
             f"{'fwd':>6} {'bwd':>6} {'f+b':>6} ms | % copy graph fwd/bwd/f+b (eager f+b)")
     log(f"\ncopy ceiling {copy_tbps:.3f} TB/s\n{head}\n{'-' * len(head)}")
     for row in rows:
         check = row["check"]
         err = f"{check.get('out', float('nan')):.1e}/{check.get('dq', float('nan')):.1e}"
         if "error" in row:
-            log(f"{row['variant']:26} {row['shape']:16} {str(check['ok'])[0]:3} {err:>15} | ERROR {row['error']}")
+            log(f"{row['variant']:26} {row['shape']:16} {'yes' if row['rotary'] else 'no':3} {str(check['ok'])[0]:3} {err:>15} | ERROR {row['error']}")
             continue
         ms = " ".join(f"{row[f'{p}_ms']:6.3f}" for p in PASSES)
         graph = " ".join(f"{row[f'{p}_graph_ms']:6.3f}" for p in PASSES)
         pct = "/".join(f"{row[f'{p}_graph_pct_copy']:.0f}" for p in PASSES)
-        log(f"{row['variant']:26} {row['shape']:16} {str(check['ok'])[0]:3} {err:>15} | {ms} ms | graph {graph} ms | "
+        log(f"{row['variant']:26} {row['shape']:16} {'yes' if row['rotary'] else 'no':3} {str(check['ok'])[0]:3} {err:>15} | {ms} ms | graph {graph} ms | "
             f"{pct} ({row['fwd+bwd_pct_copy']:.0f})")
     for key, value in extras.items():
         log(f"{key}: {json.dumps(value, indent=None)[:2000]}")

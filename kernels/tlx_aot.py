@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .tlx_block_attention import HAS_TLX, SM90_MAX_SMEM, smem_bytes, tlx_config
+from .tlx_block_attention import HAS_TLX, SM90_MAX_SMEM, config_smem_bytes, tlx_config
 
 if HAS_TLX:
     import triton
@@ -36,6 +36,11 @@ TUNING_VARIANTS: dict[str, tuple[dict, dict]] = {
     "fwd_1_consumer_reg_store": (dict(NUM_CONSUMERS=1, O_TMA_STORE=False), {}),
     "bwd_1_consumer": ({}, dict(NUM_CONSUMERS=1)),
     "bwd_2_stages": ({}, dict(NUM_STAGES=2)),
+    # The afternoon's rotary path: each consumer loads its item's cos/sin into registers (the bwd
+    # parks them in SMEM for its epilogues) instead of the producer's TMA ring prefetching them.
+    "rotary_in_registers": (dict(ROTARY_IN_RING=False), dict(ROTARY_IN_RING=False)),
+    # P^T and dS^T in tiles of their own: shallower bwd rings, one consumer at D=128 with rotary.
+    "bwd_separate_t_tiles": ({}, dict(SHARED_T_TILE=False)),
 }
 
 
@@ -61,8 +66,8 @@ class AotConfig:
 
 
 def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
-    """Every production configuration, plus each tuning variant's kernels (bf16, no rotary: the
-    sweep's shapes) that differ from a kernel already in the list."""
+    """Every production configuration, plus each tuning variant's kernels (bf16, the sweep's
+    dtype, with and without rotary) that differ from a kernel already in the list."""
     configs = []
     for direction in ("fwd", "bwd"):
         for head_dim in (64, 128):
@@ -73,11 +78,15 @@ def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
     for variant in TUNING_VARIANTS:
         for direction in ("fwd", "bwd"):
             for head_dim in (64, 128):
-                cfg = AotConfig(direction, head_dim, False, False, "bf16", variant)
-                key = (direction, head_dim, tuple(sorted(tuning_of(cfg).items())))
-                if key not in seen and variant != "default":
-                    configs.append(cfg)
-                seen.add(key)
+                for rotary in (False, True):
+                    cfg = AotConfig(direction, head_dim, rotary, False, "bf16", variant)
+                    tuning = tuning_of(cfg)
+                    if not rotary:
+                        tuning.pop("ROTARY_IN_RING")  # no cos/sin to place: the same kernel either way
+                    key = (direction, head_dim, rotary, tuple(sorted(tuning.items())))
+                    if key not in seen and variant != "default":
+                        configs.append(cfg)
+                    seen.add(key)
     return configs
 
 
@@ -97,11 +106,12 @@ def _source(cfg: AotConfig):
         outs = ["dq_ptr", "dk_ptr", "dv_ptr"]
     signature = {name: tile for name in tiles}
     if cfg.rotary:
-        signature.update(cos_ptr="*fp32", sin_ptr="*fp32")
+        table = f"tensordesc<fp32[64, {D // 2}]>" if tuning["ROTARY_IN_RING"] else "*fp32"
+        signature.update(cos_table=table, sin_table=table)
     else:
         # A None argument is a constexpr at launch time.
-        signature.update(cos_ptr="constexpr", sin_ptr="constexpr")
-        constexprs.update(cos_ptr=None, sin_ptr=None)
+        signature.update(cos_table="constexpr", sin_table="constexpr")
+        constexprs.update(cos_table=None, sin_table=None)
     for name in outs:
         signature[name] = ptr
     # num_blocks is counted_block_table's int64 scalar.
@@ -112,7 +122,9 @@ def _source(cfg: AotConfig):
     assert set(signature) == set(fn.arg_names), (
         f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
     signature = {name: signature[name] for name in fn.arg_names}
-    divisible = [*outs, "block_start_ptr", "block_len_ptr", "num_blocks_ptr", "stride_t"]
+    # As at launch: torch's allocations are 16-byte aligned, and _rotary_tables aligns cos/sin.
+    tables = ["cos_table", "sin_table"] if cfg.rotary and not tuning["ROTARY_IN_RING"] else []
+    divisible = [*outs, *tables, "block_start_ptr", "block_len_ptr", "num_blocks_ptr", "stride_t"]
     attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
@@ -129,9 +141,7 @@ def compile_config(cfg: AotConfig):
 def tuning_of(cfg: AotConfig) -> dict:
     """The constexpr knobs a launch of this configuration uses, and their SMEM estimate."""
     tuning = tlx_config(cfg.head_dim, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)
-    estimate = smem_bytes(cfg.head_dim, cfg.rotary, cfg.direction == "bwd", tuning["NUM_STAGES"],
-                          tuning["NUM_CONSUMERS"], tuning.get("O_TMA_STORE", False))
-    return dict(tuning, smem_estimate=estimate)
+    return dict(tuning, smem_estimate=config_smem_bytes(cfg.head_dim, cfg.rotary, cfg.direction == "bwd", tuning))
 
 
 def compile_all(configs=None) -> dict:

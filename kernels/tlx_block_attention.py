@@ -25,6 +25,7 @@ Invariants every kernel here relies on:
 """
 
 import contextlib
+import itertools
 import math
 
 import torch
@@ -38,8 +39,12 @@ try:
     from .triton_block_attention import _load_rotary, rotate_pairs  # one rotary tile helper for both kernels
 
     HAS_TLX = True
+    # Triton 3.8's layouts put a conversion between the rotated pairs' join and the reshape that
+    # fbtriton 3.7 fuses away (smem_bytes).
+    _ROTARY_JOIN_SCRATCH = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
 except ImportError:  # plain triton (no extra.tlx) or no triton at all
     HAS_TLX = False
+    _ROTARY_JOIN_SCRATCH = False
 
 from .blocks import BLOCK_SIZE, counted_block_table
 
@@ -54,8 +59,13 @@ MAX_STAGES = 8
 
 # Tuning knobs, per direction. Defaults are chosen in tlx_config; `tuning_overrides` replaces
 # them for benchmark sweeps. A value may be an int/bool or a {head_dim: value} dict.
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "O_TMA_STORE")
-BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "O_TMA_STORE", "ROTARY_IN_RING")
+BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "ROTARY_IN_RING", "SHARED_T_TILE")
+# Layout knobs tlx_config picks by ring depth when not given: the deepest ring wins, ties go to
+# the first value listed. The fwd prefers a TMA store of O (async, off the consumer's critical
+# path); the bwd prefers separate P^T and dS^T tiles (no wait between dV and the dS^T store).
+# On the H200 the two O stores timed alike at equal depth (benchmarks/results/sweep_tlx_h200.log).
+_DEPTH_CHOSEN = {"fwd": {"O_TMA_STORE": (True, False)}, "bwd": {"SHARED_T_TILE": (False, True)}}
 _OVERRIDES: dict[str, dict] = {"fwd": {}, "bwd": {}}
 
 
@@ -76,24 +86,34 @@ def tuning_overrides(fwd: dict | None = None, bwd: dict | None = None):
 
 
 def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM_CONSUMERS: int,
-               O_TMA_STORE: bool = False, elem_size: int = 2) -> int:
+               O_TMA_STORE: bool = False, ROTARY_IN_RING: bool = False, SHARED_T_TILE: bool = False,
+               elem_size: int = 2) -> int:
     """Shared memory of one program: the ring plus per-consumer tiles and compiler scratch.
 
-    Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO (cos/sin go to registers, not SMEM).
-    Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the bwd keeps two 64x64
-    transposed operand tiles (P^T, dS^T). Triton adds one layout-conversion scratch per consumer
-    (measured on the AOT builds, tests/test_tlx_aot.py holds this model to them): 64xD 16-bit
-    for the fwd's rotary pair split/join, else 8 KiB for a masked store from registers. The bwd
-    with rotary also parks the item's fp32 cos/sin per consumer.
+    Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO; with ROTARY_IN_RING also the item's fp32
+    cos/sin (2*64*D/2*4 B). Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the
+    bwd keeps two 64x64 transposed operand tiles (P^T, dS^T; one with SHARED_T_TILE), and with
+    rotary outside the ring parks the item's cos/sin. Triton adds one layout-conversion scratch
+    per consumer for a masked store from registers, 8 KiB (measured on the AOT builds;
+    tests/test_tlx_aot.py holds this model to them), which the fwd's O staging tile replaces;
+    Triton 3.8 (triton-utlx) also needs 4 KiB of it for the fwd's rotary, to reshape the joined pairs.
     """
     tile = BLOCK_SIZE * head_dim * elem_size
-    slot = (4 if backward else 3) * tile
+    rotary_tiles = 2 * BLOCK_SIZE * (head_dim // 2) * 4 if rotary else 0
+    slot = (4 if backward else 3) * tile + (rotary_tiles if ROTARY_IN_RING else 0)
     if backward:
-        rotary_tiles = 2 * BLOCK_SIZE * (head_dim // 2) * 4 if rotary else 0
-        per_consumer = 2 * BLOCK_SIZE * BLOCK_SIZE * elem_size + 8192 + rotary_tiles
+        t_tiles = 1 if SHARED_T_TILE else 2
+        per_consumer = t_tiles * BLOCK_SIZE * BLOCK_SIZE * elem_size + 8192 + (0 if ROTARY_IN_RING else rotary_tiles)
     else:
-        per_consumer = (tile if O_TMA_STORE else 0) + (tile if rotary else 0 if O_TMA_STORE else 8192)
+        scratch = 8192 if not O_TMA_STORE else 4096 if rotary and _ROTARY_JOIN_SCRATCH else 0
+        per_consumer = (tile if O_TMA_STORE else 0) + scratch
     return NUM_STAGES * slot + NUM_CONSUMERS * per_consumer
+
+
+def config_smem_bytes(head_dim: int, rotary: bool, backward: bool, cfg: dict) -> int:
+    """smem_bytes of a tlx_config result."""
+    layout = {k: cfg[k] for k in ("O_TMA_STORE", "ROTARY_IN_RING", "SHARED_T_TILE") if k in cfg}
+    return smem_bytes(head_dim, rotary, backward, cfg["NUM_STAGES"], cfg["NUM_CONSUMERS"], **layout)
 
 
 def _resolve_knob(value, head_dim: int):
@@ -102,47 +122,46 @@ def _resolve_knob(value, head_dim: int):
 
 def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | None = None) -> dict:
     """Constexpr knobs of one kernel shape: the overrides (default: the active tuning_overrides)
-    on top of the defaults, with NUM_STAGES as deep as fits in 227 KiB unless given.
+    on top of the defaults.
 
-    Defaults: two consumer warpgroups (one's softmax runs while the other's wgmma does), except
-    the bwd at D=128 with rotary; the fwd stores full O tiles by TMA from SMEM (async, no
-    register-to-global traffic on the consumer's critical path) unless its staging tiles would
-    cost ring depth (D=128 rotary: 2 slots with them, 4 without). On the H200 the two O stores
-    timed alike at equal depth (benchmarks/results/sweep_tlx_h200.log), so depth decides.
+    Defaults: cos/sin ride in the TMA ring (prefetched with the tiles, off the consumers' critical
+    path); two consumer warpgroups (one's softmax runs while the other's wgmma does) where two
+    fit, else one; the layout knobs of _DEPTH_CHOSEN by ring depth; NUM_STAGES as deep as fits in
+    227 KiB, as a multiple of NUM_CONSUMERS, at most MAX_STAGES.
     """
     direction = "bwd" if backward else "fwd"
     if overrides is None:
         overrides = _OVERRIDES[direction]
     knobs = {k: _resolve_knob(v, head_dim) for k, v in overrides.items()}
-    consumers = knobs.get("NUM_CONSUMERS")
-    if consumers is None:
-        # The bwd at D=128 with rotary: two consumers' cos/sin tiles do not fit next to two slots.
-        consumers = 1 if (backward and head_dim == 128 and rotary) else 2
+    fixed = dict(ROTARY_IN_RING=bool(knobs.get("ROTARY_IN_RING", True)))
 
-    def deepest_ring(extra: dict) -> int:
-        # The deepest ring (a multiple of the consumer count) that fits, or the one asked for.
+    def fits(stages: int, consumers: int, layout: dict) -> bool:
+        need = smem_bytes(head_dim, rotary, backward, stages, consumers, **fixed, **layout)
+        return need + SMEM_SLACK <= SM90_MAX_SMEM
+
+    def deepest_ring(consumers: int, layout: dict) -> int:
+        # The deepest fitting ring, 0 if not even one slot per consumer fits, or the one asked for.
         if knobs.get("NUM_STAGES") is not None:
             return knobs["NUM_STAGES"]
-        stages = consumers
-        while (stages + consumers <= MAX_STAGES and smem_bytes(head_dim, rotary, backward, stages + consumers,
-                                                               consumers, **extra) + SMEM_SLACK <= SM90_MAX_SMEM):
+        stages = 0
+        while stages + consumers <= MAX_STAGES and fits(stages + consumers, consumers, layout):
             stages += consumers
         return stages
 
-    cfg = dict(NUM_CONSUMERS=consumers)
-    if not backward:
-        o_tma = knobs.get("O_TMA_STORE")
-        if o_tma is None:
-            o_tma = deepest_ring(dict(O_TMA_STORE=True)) >= deepest_ring(dict(O_TMA_STORE=False))
-        cfg["O_TMA_STORE"] = bool(o_tma)
-    extra = {k: v for k, v in cfg.items() if k != "NUM_CONSUMERS"}
-    stages = deepest_ring(extra)
-    cfg["NUM_STAGES"] = stages
+    choices = [dict(zip(_DEPTH_CHOSEN[direction], values)) for values in itertools.product(
+        *[[knobs[k]] if k in knobs else v for k, v in _DEPTH_CHOSEN[direction].items()])]
+    for consumers in [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]:
+        # max() keeps the first of equally deep layouts: the preferred one.
+        layout = max(choices, key=lambda c: deepest_ring(consumers, c))
+        stages = deepest_ring(consumers, layout)
+        if stages and fits(stages, consumers, layout):
+            break
+    cfg = dict(NUM_CONSUMERS=consumers, NUM_STAGES=stages, **fixed, **{k: bool(v) for k, v in layout.items()})
     if consumers not in (1, 2) or stages < 1 or stages % consumers:
         raise ValueError(f"{direction} config {cfg}: NUM_CONSUMERS must be 1 or 2 and NUM_STAGES a positive "
                          "multiple of it (each slot must always go to the same consumer)")
-    need = smem_bytes(head_dim, rotary, backward, stages, consumers, **extra)
-    if need + SMEM_SLACK > SM90_MAX_SMEM:
+    if not fits(stages, consumers, layout):
+        need = smem_bytes(head_dim, rotary, backward, stages, consumers, **fixed, **layout)
         raise ValueError(f"{direction} config {cfg} at head_dim {head_dim}{' with rotary' if rotary else ''} needs "
                          f"{need} B of shared memory; sm_90 allows {SM90_MAX_SMEM}")
     cfg["CONSUMER_REGS"] = _consumer_regs(consumers)
@@ -175,6 +194,12 @@ if HAS_TLX:
         return head, start, length
 
     @triton.jit
+    def _rotate_in_place(buf, cos, sin, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+        # fp32 math, one rounding back to the tile's 16-bit dtype (as the reference does).
+        x = tlx.local_load(buf)
+        tlx.local_store(buf, rotate_pairs(x.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(x.dtype))
+
+    @triton.jit
     def _store_tile(ptr, x, start, length, head, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
         # Masked, not TMA: rows >= length belong to the next sequence.
         rows = tl.arange(0, BLOCK)
@@ -184,22 +209,27 @@ if HAS_TLX:
 
     @triton.jit
     def _tlx_block_attn_fwd(
-        desc_q, desc_k, desc_v, desc_o, cos_ptr, sin_ptr,
+        desc_q, desc_k, desc_v, desc_o, cos_table, sin_table,
         out_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
         H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        O_TMA_STORE: tl.constexpr,
+        O_TMA_STORE: tl.constexpr, ROTARY_IN_RING: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
+        HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
         TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES
+        RING_ROTARY: tl.constexpr = ROTARY and ROTARY_IN_RING
+        SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES + (2 * BLOCK * HALF * 4 if RING_ROTARY else 0)
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
 
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
+        if RING_ROTARY:
+            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
+            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
         if O_TMA_STORE:
             # Per-consumer staging of O, outside the ring so a slot is released right after PV
             # instead of after the TMA engine has read O out of it.
@@ -220,6 +250,9 @@ if HAS_TLX:
                     tlx.async_descriptor_load(desc_q, q_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
+                    if RING_ROTARY:
+                        tlx.async_descriptor_load(cos_table, cos_bufs[slot], [start, 0], fulls[slot])
+                        tlx.async_descriptor_load(sin_table, sin_bufs[slot], [start, 0], fulls[slot])
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -230,25 +263,24 @@ if HAS_TLX:
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
                     phase = (j // NUM_STAGES) & 1
-                    if ROTARY:
-                        # cos/sin come from global memory (L2: every head of a block reads the same
-                        # rows) straight into registers, issued before the wait so the latency
-                        # overlaps it; in the ring they took 40% of a D=128 slot and half its depth.
-                        c, s = _load_rotary(cos_ptr, sin_ptr, start, cols < length, BLOCK, HEAD_DIM)
+                    if ROTARY and not ROTARY_IN_RING:
+                        # cos/sin from global memory (L2: every head of a block reads the same rows)
+                        # straight into registers, issued before the wait so the latency overlaps it.
+                        c, s = _load_rotary(cos_table, sin_table, start, cols < length, BLOCK, HEAD_DIM)
                     tlx.barrier_wait(fulls[slot], phase)
                     if ROTARY:
-                        # Rotated q feeds wgmma from registers; rotated k (and v) must be B operands,
-                        # so they overwrite their own slot, fenced before the async proxy reads them.
-                        q_rot = rotate_pairs(tlx.local_load(q_bufs[slot]).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                        k_rot = rotate_pairs(tlx.local_load(k_bufs[slot]).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                        tlx.local_store(k_bufs[slot], k_rot)
+                        if ROTARY_IN_RING:
+                            c = tlx.local_load(cos_bufs[slot])
+                            s = tlx.local_load(sin_bufs[slot])
+                        # wgmma reads its B operands (k, v) from SMEM, and a register A operand would
+                        # go through a conversion scratch tile: the rotated tiles overwrite their
+                        # own slot, fenced before the async proxy reads them.
+                        _rotate_in_place(q_bufs[slot], c, s, BLOCK, HEAD_DIM)
+                        _rotate_in_place(k_bufs[slot], c, s, BLOCK, HEAD_DIM)
                         if ROTATE_V:
-                            v_rot = rotate_pairs(tlx.local_load(v_bufs[slot]).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                            tlx.local_store(v_bufs[slot], v_rot)
+                            _rotate_in_place(v_bufs[slot], c, s, BLOCK, HEAD_DIM)
                         tlx.fence_async_shared()
-                        qk = tlx.async_dot(q_rot, tlx.local_trans(k_bufs[slot]))
-                    else:
-                        qk = tlx.async_dot(q_bufs[slot], tlx.local_trans(k_bufs[slot]))
+                    qk = tlx.async_dot(q_bufs[slot], tlx.local_trans(k_bufs[slot]))
                     qk = tlx.async_dot_wait(0, qk)
 
                     qk = tl.where((cols < length)[None, :], qk * qk_scale, float("-inf"))
@@ -279,31 +311,36 @@ if HAS_TLX:
 
     @triton.jit
     def _tlx_block_attn_bwd(
-        desc_q, desc_k, desc_v, desc_do, cos_ptr, sin_ptr,
+        desc_q, desc_k, desc_v, desc_do, cos_table, sin_table,
         dq_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
         H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+        ROTARY_IN_RING: tl.constexpr, SHARED_T_TILE: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
         TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES
+        RING_ROTARY: tl.constexpr = ROTARY and ROTARY_IN_RING
+        SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES + (2 * BLOCK * HALF * 4 if RING_ROTARY else 0)
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
 
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         do_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        # wgmma's A operand is read row-major from SMEM, so P^T and dS^T are written transposed.
-        pT_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS)
-        dsT_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS)
+        # The item's cos/sin serve the rotations of q, k (and v) and the epilogues of dQ, dK (and
+        # dV): in the ring (TMA, prefetched with the tiles), or parked per consumer after a
+        # register load (reloading from global memory in the epilogues needs 64-bit address
+        # tiles, which spill at D=128).
         if ROTARY:
-            # The item's cos/sin, parked per consumer for the dQ/dK(/dV) epilogues: reloading them
-            # from global memory there needs 64-bit address tiles, which spill at D=128.
-            cos_tiles = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_CONSUMERS)
-            sin_tiles = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_CONSUMERS)
+            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES if ROTARY_IN_RING else NUM_CONSUMERS)
+            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES if ROTARY_IN_RING else NUM_CONSUMERS)
+        # wgmma's A operand is read row-major from SMEM, so P^T and dS^T are written transposed,
+        # each into its own tile or, with SHARED_T_TILE, one after the other into one tile.
+        T_TILES: tl.constexpr = 1 if SHARED_T_TILE else 2
+        t_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS * T_TILES)
         fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
         empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
 
@@ -320,13 +357,16 @@ if HAS_TLX:
                     tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_do, do_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
+                    if RING_ROTARY:
+                        tlx.async_descriptor_load(cos_table, cos_bufs[slot], [start, 0], fulls[slot])
+                        tlx.async_descriptor_load(sin_table, sin_bufs[slot], [start, 0], fulls[slot])
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
                 qk_scale = sm_scale * 1.4426950408889634
                 idx = tl.arange(0, BLOCK)
-                pT_buf = pT_bufs[cid]
-                dsT_buf = dsT_bufs[cid]
+                pT_buf = t_bufs[cid * T_TILES]
+                dsT_buf = t_bufs[cid * T_TILES + T_TILES - 1]
                 pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
                 for j in range(cid, n_local, NUM_CONSUMERS):
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
@@ -334,24 +374,28 @@ if HAS_TLX:
                     phase = (j // NUM_STAGES) & 1
                     row_ok = idx < length
                     if ROTARY:
-                        c, s = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
+                        cos_buf = cos_bufs[slot if ROTARY_IN_RING else cid]
+                        sin_buf = sin_bufs[slot if ROTARY_IN_RING else cid]
+                        if not ROTARY_IN_RING:
+                            c, s = _load_rotary(cos_table, sin_table, start, row_ok, BLOCK, HEAD_DIM)
                     tlx.barrier_wait(fulls[slot], phase)
                     q_s = q_bufs[slot]
                     k_s = k_bufs[slot]
                     v_s = v_bufs[slot]
                     do_s = do_bufs[slot]
                     if ROTARY:
-                        tlx.local_store(cos_tiles[cid], c)
-                        tlx.local_store(sin_tiles[cid], s)
+                        if ROTARY_IN_RING:
+                            c = tlx.local_load(cos_buf)
+                            s = tlx.local_load(sin_buf)
+                        else:
+                            tlx.local_store(cos_buf, c)
+                            tlx.local_store(sin_buf, s)
                         # Rotated q, k (and v) are operands of several products (B of dK and dQ,
                         # B^T of S and dP), so they replace the raw tiles in the slot.
-                        q_rot = rotate_pairs(tlx.local_load(q_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                        k_rot = rotate_pairs(tlx.local_load(k_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                        tlx.local_store(q_s, q_rot)
-                        tlx.local_store(k_s, k_rot)
+                        _rotate_in_place(q_s, c, s, BLOCK, HEAD_DIM)
+                        _rotate_in_place(k_s, c, s, BLOCK, HEAD_DIM)
                         if ROTATE_V:
-                            v_rot = rotate_pairs(tlx.local_load(v_s).to(tl.float32), c, s, BLOCK, HEAD_DIM, False).to(dtype)
-                            tlx.local_store(v_s, v_rot)
+                            _rotate_in_place(v_s, c, s, BLOCK, HEAD_DIM)
                         tlx.fence_async_shared()
 
                     qk = tlx.async_dot(q_s, tlx.local_trans(k_s))
@@ -377,7 +421,8 @@ if HAS_TLX:
                     ds_lo = (ds - ds_lp.to(tl.float32)).to(dtype)
 
                     tlx.local_store(pT_buf, tl.trans(p.to(dtype)))
-                    tlx.local_store(dsT_buf, tl.trans(ds_lp))
+                    if not SHARED_T_TILE:
+                        tlx.local_store(dsT_buf, tl.trans(ds_lp))
                     tlx.fence_async_shared()
 
                     # dQ first, so the lo tile dies before the other two accumulators are live.
@@ -385,25 +430,23 @@ if HAS_TLX:
                     dq = tlx.async_dot(ds_lo, k_s, dq)
                     dq = tlx.async_dot_wait(0, dq)
                     if ROTARY:
-                        c = tlx.local_load(cos_tiles[cid])
-                        s = tlx.local_load(sin_tiles[cid])
-                        dq = rotate_pairs(dq, c, s, BLOCK, HEAD_DIM, True)
+                        dq = rotate_pairs(dq, tlx.local_load(cos_buf), tlx.local_load(sin_buf), BLOCK, HEAD_DIM, True)
                     _store_tile(dq_ptr, dq, start, length, head, stride_t, BLOCK, HEAD_DIM)
 
                     dv = tlx.async_dot(pT_buf, do_s)
                     dv = tlx.async_dot_wait(0, dv)
+                    if SHARED_T_TILE:
+                        # dV's wgmma has finished reading P^T (waited above): dS^T may take its place.
+                        tlx.local_store(dsT_buf, tl.trans(ds_lp))
+                        tlx.fence_async_shared()
                     if ROTARY and ROTATE_V:
-                        c = tlx.local_load(cos_tiles[cid])
-                        s = tlx.local_load(sin_tiles[cid])
-                        dv = rotate_pairs(dv, c, s, BLOCK, HEAD_DIM, True)
+                        dv = rotate_pairs(dv, tlx.local_load(cos_buf), tlx.local_load(sin_buf), BLOCK, HEAD_DIM, True)
                     _store_tile(dv_ptr, dv, start, length, head, stride_t, BLOCK, HEAD_DIM)
 
                     dk = tlx.async_dot(dsT_buf, q_s)
                     dk = tlx.async_dot_wait(0, dk)
                     if ROTARY:
-                        c = tlx.local_load(cos_tiles[cid])
-                        s = tlx.local_load(sin_tiles[cid])
-                        dk = rotate_pairs(dk, c, s, BLOCK, HEAD_DIM, True)
+                        dk = rotate_pairs(dk, tlx.local_load(cos_buf), tlx.local_load(sin_buf), BLOCK, HEAD_DIM, True)
                     # Last read of the slot: hand it back to the producer.
                     tlx.barrier_arrive(empties[slot], 1)
                     _store_tile(dk_ptr, dk, start, length, head, stride_t, BLOCK, HEAD_DIM)
@@ -462,8 +505,13 @@ def _desc_2d(x: torch.Tensor, block_cols: int):
     return TensorDescriptor(x2, shape=list(x2.shape), strides=[x2.shape[1], 1], block_shape=[BLOCK_SIZE, block_cols])
 
 
-def _rotary_tables(cos, sin):
-    return (None, None) if cos is None else (cos.contiguous(), sin.contiguous())
+def _rotary_tables(cos, sin, cfg: dict):
+    """The kernel's cos/sin arguments: TMA descriptors of [64, D/2] boxes when they ride in the
+    ring, else the tables themselves (16-byte aligned, so register loads vectorize as compiled)."""
+    if cos is None:
+        return None, None
+    tables = [_tma_ready(t, BLOCK_SIZE if cfg["ROTARY_IN_RING"] else 0) for t in (cos, sin)]
+    return tuple(_desc_2d(t, t.shape[1]) for t in tables) if cfg["ROTARY_IN_RING"] else tuple(tables)
 
 
 def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
@@ -498,7 +546,7 @@ def _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rot
         out_tma = _tma_ready(out, BLOCK_SIZE)
         descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v)] + [_desc_2d(out_tma, D)]
         _tlx_block_attn_fwd[_grid(q, block_start)](
-            *descs, *_rotary_tables(cos, sin), out, block_start, block_len, num_blocks,
+            *descs, *_rotary_tables(cos, sin, cfg), out, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
             HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
@@ -519,7 +567,7 @@ def _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, co
     with torch.cuda.device(q.device):
         descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v, grad_out)]
         _tlx_block_attn_bwd[_grid(q, block_start)](
-            *descs, *_rotary_tables(cos, sin), dq, dk, dv, block_start, block_len, num_blocks,
+            *descs, *_rotary_tables(cos, sin, cfg), dq, dk, dv, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
             HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
