@@ -36,9 +36,6 @@ TUNING_VARIANTS: dict[str, tuple[dict, dict]] = {
     "fwd_1_consumer_reg_store": (dict(NUM_CONSUMERS=1, O_TMA_STORE=False), {}),
     "bwd_1_consumer": ({}, dict(NUM_CONSUMERS=1)),
     "bwd_2_stages": ({}, dict(NUM_STAGES=2)),
-    # The afternoon's rotary path: each consumer loads its item's cos/sin into registers (the bwd
-    # parks them in SMEM for its epilogues) instead of the producer's TMA ring prefetching them.
-    "rotary_in_registers": (dict(ROTARY_IN_RING=False), dict(ROTARY_IN_RING=False)),
     # P^T and dS^T in tiles of their own: shallower bwd rings, one consumer at D=128 with rotary.
     "bwd_separate_t_tiles": ({}, dict(SHARED_T_TILE=False)),
 }
@@ -80,10 +77,7 @@ def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
             for head_dim in (64, 128):
                 for rotary in (False, True):
                     cfg = AotConfig(direction, head_dim, rotary, False, "bf16", variant)
-                    tuning = tuning_of(cfg)
-                    if not rotary:
-                        tuning.pop("ROTARY_IN_RING")  # no cos/sin to place: the same kernel either way
-                    key = (direction, head_dim, rotary, tuple(sorted(tuning.items())))
+                    key = (direction, head_dim, rotary, tuple(sorted(tuning_of(cfg).items())))
                     if key not in seen and variant != "default":
                         configs.append(cfg)
                     seen.add(key)
@@ -106,12 +100,11 @@ def _source(cfg: AotConfig):
         outs = ["dq_ptr", "dk_ptr", "dv_ptr"]
     signature = {name: tile for name in tiles}
     if cfg.rotary:
-        table = f"tensordesc<fp32[64, {D // 2}]>" if tuning["ROTARY_IN_RING"] else "*fp32"
-        signature.update(cos_table=table, sin_table=table)
+        signature.update(desc_cos=f"tensordesc<fp32[64, {D // 2}]>", desc_sin=f"tensordesc<fp32[64, {D // 2}]>")
     else:
         # A None argument is a constexpr at launch time.
-        signature.update(cos_table="constexpr", sin_table="constexpr")
-        constexprs.update(cos_table=None, sin_table=None)
+        signature.update(desc_cos="constexpr", desc_sin="constexpr")
+        constexprs.update(desc_cos=None, desc_sin=None)
     for name in outs:
         signature[name] = ptr
     # num_blocks is counted_block_table's int64 scalar.
@@ -122,9 +115,7 @@ def _source(cfg: AotConfig):
     assert set(signature) == set(fn.arg_names), (
         f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
     signature = {name: signature[name] for name in fn.arg_names}
-    # As at launch: torch's allocations are 16-byte aligned, and _rotary_tables aligns cos/sin.
-    tables = ["cos_table", "sin_table"] if cfg.rotary and not tuning["ROTARY_IN_RING"] else []
-    divisible = [*outs, *tables, "block_start_ptr", "block_len_ptr", "num_blocks_ptr", "stride_t"]
+    divisible = [*outs, "block_start_ptr", "block_len_ptr", "num_blocks_ptr", "stride_t"]
     attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 

@@ -4,8 +4,9 @@ Invariants every kernel here relies on:
 - q, k, v, grad_out (and the outputs) are contiguous [T, H, D] in fp16/bf16; viewed as 2-D
   [T, H*D] for TMA, so a (64-token block, head) tile is the box [64, D] at (start, h*D).
 - D is 64 or 128 (one wgmma N/K tile, TMA row of 128/256 bytes, D/2 rotary pairs).
-- cos/sin are contiguous fp32 [T, D/2]; consumers load a block's rows straight into registers
-  (masked to the block's length), so the SMEM ring holds only the 16-bit tiles.
+- cos/sin are contiguous fp32 [T, D/2]; the producer loads an item's [64, D/2] boxes by TMA into
+  its ring slot with the 16-bit tiles, so they are prefetched with them (H200: 1.5-1.7x faster
+  rotary passes than consumers loading them into registers, benchmarks/results/sweep_tlx_rotary_h200.log).
 - A block is BLOCK=64 tokens from its sequence's start (kernels.blocks.block_table); only the last
   block of a sequence is partial (len in 1..64). Its TMA tile runs into the next sequence (or TMA's
   zero fill past T): keys >= len are masked out of the softmax, query rows >= len are zeroed out
@@ -25,6 +26,7 @@ Invariants every kernel here relies on:
 """
 
 import contextlib
+import functools
 import itertools
 import math
 
@@ -36,7 +38,7 @@ try:
     import triton.language.extra.tlx as tlx
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .triton_block_attention import _load_rotary, rotate_pairs  # one rotary tile helper for both kernels
+    from .triton_block_attention import rotate_pairs  # one rotary tile helper for both kernels
 
     HAS_TLX = True
     # Triton 3.8's layouts put a conversion between the rotated pairs' join and the reshape that
@@ -59,13 +61,18 @@ MAX_STAGES = 8
 
 # Tuning knobs, per direction. Defaults are chosen in tlx_config; `tuning_overrides` replaces
 # them for benchmark sweeps. A value may be an int/bool or a {head_dim: value} dict.
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "O_TMA_STORE", "ROTARY_IN_RING")
-BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "ROTARY_IN_RING", "SHARED_T_TILE")
-# Layout knobs tlx_config picks by ring depth when not given: the deepest ring wins, ties go to
-# the first value listed. The fwd prefers a TMA store of O (async, off the consumer's critical
-# path); the bwd prefers separate P^T and dS^T tiles (no wait between dV and the dS^T store).
-# On the H200 the two O stores timed alike at equal depth (benchmarks/results/sweep_tlx_h200.log).
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "O_TMA_STORE")
+BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "SHARED_T_TILE")
+# Layout knobs tlx_config picks by ring depth when not given: the deepest ring up to
+# ENOUGH_SLOTS_PER_CONSUMER wins, ties go to the first value listed. The fwd prefers a TMA store
+# of O (async, off the consumer's critical path); the bwd prefers separate P^T and dS^T tiles (no
+# wait between dV and the dS^T store). H200 (benchmarks/results/sweep_tlx*_h200.log): the two O
+# stores timed alike at equal depth; one shared tile was 2% slower at D=64 plain (3 slots per
+# consumer against 2) but 13-20% faster where separate tiles leave 1 slot or 1 consumer.
 _DEPTH_CHOSEN = {"fwd": {"O_TMA_STORE": (True, False)}, "bwd": {"SHARED_T_TILE": (False, True)}}
+# Ring slots per consumer beyond which depth bought nothing on the H200: 2 and 4 slots per
+# consumer timed alike in the fwd, while 1 was 13-20% slower in the bwd.
+ENOUGH_SLOTS_PER_CONSUMER = 2
 _OVERRIDES: dict[str, dict] = {"fwd": {}, "bwd": {}}
 
 
@@ -86,24 +93,22 @@ def tuning_overrides(fwd: dict | None = None, bwd: dict | None = None):
 
 
 def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM_CONSUMERS: int,
-               O_TMA_STORE: bool = False, ROTARY_IN_RING: bool = False, SHARED_T_TILE: bool = False,
-               elem_size: int = 2) -> int:
+               O_TMA_STORE: bool = False, SHARED_T_TILE: bool = False, elem_size: int = 2) -> int:
     """Shared memory of one program: the ring plus per-consumer tiles and compiler scratch.
 
-    Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO; with ROTARY_IN_RING also the item's fp32
-    cos/sin (2*64*D/2*4 B). Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the
-    bwd keeps two 64x64 transposed operand tiles (P^T, dS^T; one with SHARED_T_TILE), and with
-    rotary outside the ring parks the item's cos/sin. Triton adds one layout-conversion scratch
+    Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO; with rotary also the item's fp32 cos/sin
+    (2*64*D/2*4 B). Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the bwd keeps
+    two 64x64 transposed operand tiles (P^T, dS^T; one with SHARED_T_TILE). Triton adds one layout-conversion scratch
     per consumer for a masked store from registers, 8 KiB (measured on the AOT builds;
     tests/test_tlx_aot.py holds this model to them), which the fwd's O staging tile replaces;
     Triton 3.8 (triton-utlx) also needs 4 KiB of it for the fwd's rotary, to reshape the joined pairs.
     """
     tile = BLOCK_SIZE * head_dim * elem_size
     rotary_tiles = 2 * BLOCK_SIZE * (head_dim // 2) * 4 if rotary else 0
-    slot = (4 if backward else 3) * tile + (rotary_tiles if ROTARY_IN_RING else 0)
+    slot = (4 if backward else 3) * tile + rotary_tiles
     if backward:
         t_tiles = 1 if SHARED_T_TILE else 2
-        per_consumer = t_tiles * BLOCK_SIZE * BLOCK_SIZE * elem_size + 8192 + (0 if ROTARY_IN_RING else rotary_tiles)
+        per_consumer = t_tiles * BLOCK_SIZE * BLOCK_SIZE * elem_size + 8192
     else:
         scratch = 8192 if not O_TMA_STORE else 4096 if rotary and _ROTARY_JOIN_SCRATCH else 0
         per_consumer = (tile if O_TMA_STORE else 0) + scratch
@@ -112,7 +117,7 @@ def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM
 
 def config_smem_bytes(head_dim: int, rotary: bool, backward: bool, cfg: dict) -> int:
     """smem_bytes of a tlx_config result."""
-    layout = {k: cfg[k] for k in ("O_TMA_STORE", "ROTARY_IN_RING", "SHARED_T_TILE") if k in cfg}
+    layout = {k: cfg[k] for k in ("O_TMA_STORE", "SHARED_T_TILE") if k in cfg}
     return smem_bytes(head_dim, rotary, backward, cfg["NUM_STAGES"], cfg["NUM_CONSUMERS"], **layout)
 
 
@@ -124,20 +129,25 @@ def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | No
     """Constexpr knobs of one kernel shape: the overrides (default: the active tuning_overrides)
     on top of the defaults.
 
-    Defaults: cos/sin ride in the TMA ring (prefetched with the tiles, off the consumers' critical
-    path); two consumer warpgroups (one's softmax runs while the other's wgmma does) where two
+    Defaults: two consumer warpgroups (one's softmax runs while the other's wgmma does) where two
     fit, else one; the layout knobs of _DEPTH_CHOSEN by ring depth; NUM_STAGES as deep as fits in
     227 KiB, as a multiple of NUM_CONSUMERS, at most MAX_STAGES.
     """
     direction = "bwd" if backward else "fwd"
     if overrides is None:
         overrides = _OVERRIDES[direction]
-    knobs = {k: _resolve_knob(v, head_dim) for k, v in overrides.items()}
-    fixed = dict(ROTARY_IN_RING=bool(knobs.get("ROTARY_IN_RING", True)))
+    key = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in overrides.items()))
+    # A copy: callers may add to it.
+    return dict(_cached_config(head_dim, rotary, backward, key))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_config(head_dim: int, rotary: bool, backward: bool, override_key: tuple) -> dict:
+    direction = "bwd" if backward else "fwd"
+    knobs = {k: _resolve_knob(dict(v) if isinstance(v, tuple) else v, head_dim) for k, v in override_key}
 
     def fits(stages: int, consumers: int, layout: dict) -> bool:
-        need = smem_bytes(head_dim, rotary, backward, stages, consumers, **fixed, **layout)
-        return need + SMEM_SLACK <= SM90_MAX_SMEM
+        return smem_bytes(head_dim, rotary, backward, stages, consumers, **layout) + SMEM_SLACK <= SM90_MAX_SMEM
 
     def deepest_ring(consumers: int, layout: dict) -> int:
         # The deepest fitting ring, 0 if not even one slot per consumer fits, or the one asked for.
@@ -151,17 +161,17 @@ def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | No
     choices = [dict(zip(_DEPTH_CHOSEN[direction], values)) for values in itertools.product(
         *[[knobs[k]] if k in knobs else v for k, v in _DEPTH_CHOSEN[direction].items()])]
     for consumers in [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]:
-        # max() keeps the first of equally deep layouts: the preferred one.
-        layout = max(choices, key=lambda c: deepest_ring(consumers, c))
+        # max() keeps the first of equally good layouts: the preferred one.
+        layout = max(choices, key=lambda c: min(deepest_ring(consumers, c), ENOUGH_SLOTS_PER_CONSUMER * consumers))
         stages = deepest_ring(consumers, layout)
         if stages and fits(stages, consumers, layout):
             break
-    cfg = dict(NUM_CONSUMERS=consumers, NUM_STAGES=stages, **fixed, **{k: bool(v) for k, v in layout.items()})
+    cfg = dict(NUM_CONSUMERS=consumers, NUM_STAGES=stages, **{k: bool(v) for k, v in layout.items()})
     if consumers not in (1, 2) or stages < 1 or stages % consumers:
         raise ValueError(f"{direction} config {cfg}: NUM_CONSUMERS must be 1 or 2 and NUM_STAGES a positive "
                          "multiple of it (each slot must always go to the same consumer)")
     if not fits(stages, consumers, layout):
-        need = smem_bytes(head_dim, rotary, backward, stages, consumers, **fixed, **layout)
+        need = smem_bytes(head_dim, rotary, backward, stages, consumers, **layout)
         raise ValueError(f"{direction} config {cfg} at head_dim {head_dim}{' with rotary' if rotary else ''} needs "
                          f"{need} B of shared memory; sm_90 allows {SM90_MAX_SMEM}")
     cfg["CONSUMER_REGS"] = _consumer_regs(consumers)
@@ -209,25 +219,24 @@ if HAS_TLX:
 
     @triton.jit
     def _tlx_block_attn_fwd(
-        desc_q, desc_k, desc_v, desc_o, cos_table, sin_table,
+        desc_q, desc_k, desc_v, desc_o, desc_cos, desc_sin,
         out_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
         H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        O_TMA_STORE: tl.constexpr, ROTARY_IN_RING: tl.constexpr,
+        O_TMA_STORE: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
         TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        RING_ROTARY: tl.constexpr = ROTARY and ROTARY_IN_RING
-        SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES + (2 * BLOCK * HALF * 4 if RING_ROTARY else 0)
+        SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES + (2 * BLOCK * HALF * 4 if ROTARY else 0)
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
 
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        if RING_ROTARY:
+        if ROTARY:
             cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
             sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
         if O_TMA_STORE:
@@ -250,9 +259,9 @@ if HAS_TLX:
                     tlx.async_descriptor_load(desc_q, q_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    if RING_ROTARY:
-                        tlx.async_descriptor_load(cos_table, cos_bufs[slot], [start, 0], fulls[slot])
-                        tlx.async_descriptor_load(sin_table, sin_bufs[slot], [start, 0], fulls[slot])
+                    if ROTARY:
+                        tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
+                        tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -263,15 +272,10 @@ if HAS_TLX:
                     head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
                     slot = j % NUM_STAGES
                     phase = (j // NUM_STAGES) & 1
-                    if ROTARY and not ROTARY_IN_RING:
-                        # cos/sin from global memory (L2: every head of a block reads the same rows)
-                        # straight into registers, issued before the wait so the latency overlaps it.
-                        c, s = _load_rotary(cos_table, sin_table, start, cols < length, BLOCK, HEAD_DIM)
                     tlx.barrier_wait(fulls[slot], phase)
                     if ROTARY:
-                        if ROTARY_IN_RING:
-                            c = tlx.local_load(cos_bufs[slot])
-                            s = tlx.local_load(sin_bufs[slot])
+                        c = tlx.local_load(cos_bufs[slot])
+                        s = tlx.local_load(sin_bufs[slot])
                         # wgmma reads its B operands (k, v) from SMEM, and a register A operand would
                         # go through a conversion scratch tile: the rotated tiles overwrite their
                         # own slot, fenced before the async proxy reads them.
@@ -311,32 +315,29 @@ if HAS_TLX:
 
     @triton.jit
     def _tlx_block_attn_bwd(
-        desc_q, desc_k, desc_v, desc_do, cos_table, sin_table,
+        desc_q, desc_k, desc_v, desc_do, desc_cos, desc_sin,
         dq_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
         H, stride_t, sm_scale,
         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        ROTARY_IN_RING: tl.constexpr, SHARED_T_TILE: tl.constexpr,
+        SHARED_T_TILE: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
         TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        RING_ROTARY: tl.constexpr = ROTARY and ROTARY_IN_RING
-        SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES + (2 * BLOCK * HALF * 4 if RING_ROTARY else 0)
+        SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES + (2 * BLOCK * HALF * 4 if ROTARY else 0)
         tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
 
         q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
         do_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        # The item's cos/sin serve the rotations of q, k (and v) and the epilogues of dQ, dK (and
-        # dV): in the ring (TMA, prefetched with the tiles), or parked per consumer after a
-        # register load (reloading from global memory in the epilogues needs 64-bit address
-        # tiles, which spill at D=128).
+        # The item's cos/sin serve the rotations of q, k (and v) and, read again from the slot,
+        # the epilogues of dQ, dK (and dV).
         if ROTARY:
-            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES if ROTARY_IN_RING else NUM_CONSUMERS)
-            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES if ROTARY_IN_RING else NUM_CONSUMERS)
+            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
+            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
         # wgmma's A operand is read row-major from SMEM, so P^T and dS^T are written transposed,
         # each into its own tile or, with SHARED_T_TILE, one after the other into one tile.
         T_TILES: tl.constexpr = 1 if SHARED_T_TILE else 2
@@ -357,9 +358,9 @@ if HAS_TLX:
                     tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
                     tlx.async_descriptor_load(desc_do, do_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    if RING_ROTARY:
-                        tlx.async_descriptor_load(cos_table, cos_bufs[slot], [start, 0], fulls[slot])
-                        tlx.async_descriptor_load(sin_table, sin_bufs[slot], [start, 0], fulls[slot])
+                    if ROTARY:
+                        tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
+                        tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -373,23 +374,16 @@ if HAS_TLX:
                     slot = j % NUM_STAGES
                     phase = (j // NUM_STAGES) & 1
                     row_ok = idx < length
-                    if ROTARY:
-                        cos_buf = cos_bufs[slot if ROTARY_IN_RING else cid]
-                        sin_buf = sin_bufs[slot if ROTARY_IN_RING else cid]
-                        if not ROTARY_IN_RING:
-                            c, s = _load_rotary(cos_table, sin_table, start, row_ok, BLOCK, HEAD_DIM)
                     tlx.barrier_wait(fulls[slot], phase)
                     q_s = q_bufs[slot]
                     k_s = k_bufs[slot]
                     v_s = v_bufs[slot]
                     do_s = do_bufs[slot]
                     if ROTARY:
-                        if ROTARY_IN_RING:
-                            c = tlx.local_load(cos_buf)
-                            s = tlx.local_load(sin_buf)
-                        else:
-                            tlx.local_store(cos_buf, c)
-                            tlx.local_store(sin_buf, s)
+                        cos_buf = cos_bufs[slot]
+                        sin_buf = sin_bufs[slot]
+                        c = tlx.local_load(cos_buf)
+                        s = tlx.local_load(sin_buf)
                         # Rotated q, k (and v) are operands of several products (B of dK and dQ,
                         # B^T of S and dP), so they replace the raw tiles in the slot.
                         _rotate_in_place(q_s, c, s, BLOCK, HEAD_DIM)
@@ -505,13 +499,11 @@ def _desc_2d(x: torch.Tensor, block_cols: int):
     return TensorDescriptor(x2, shape=list(x2.shape), strides=[x2.shape[1], 1], block_shape=[BLOCK_SIZE, block_cols])
 
 
-def _rotary_tables(cos, sin, cfg: dict):
-    """The kernel's cos/sin arguments: TMA descriptors of [64, D/2] boxes when they ride in the
-    ring, else the tables themselves (16-byte aligned, so register loads vectorize as compiled)."""
+def _rotary_descs(cos, sin):
+    """TMA descriptors of the cos/sin tables' [64, D/2] boxes, or (None, None) without rotary."""
     if cos is None:
         return None, None
-    tables = [_tma_ready(t, BLOCK_SIZE if cfg["ROTARY_IN_RING"] else 0) for t in (cos, sin)]
-    return tuple(_desc_2d(t, t.shape[1]) for t in tables) if cfg["ROTARY_IN_RING"] else tuple(tables)
+    return tuple(_desc_2d(_tma_ready(t, BLOCK_SIZE), t.shape[1]) for t in (cos, sin))
 
 
 def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
@@ -546,7 +538,7 @@ def _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rot
         out_tma = _tma_ready(out, BLOCK_SIZE)
         descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v)] + [_desc_2d(out_tma, D)]
         _tlx_block_attn_fwd[_grid(q, block_start)](
-            *descs, *_rotary_tables(cos, sin, cfg), out, block_start, block_len, num_blocks,
+            *descs, *_rotary_descs(cos, sin), out, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
             HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
@@ -567,7 +559,7 @@ def _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, co
     with torch.cuda.device(q.device):
         descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v, grad_out)]
         _tlx_block_attn_bwd[_grid(q, block_start)](
-            *descs, *_rotary_tables(cos, sin, cfg), dq, dk, dv, block_start, block_len, num_blocks,
+            *descs, *_rotary_descs(cos, sin), dq, dk, dv, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
             HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
