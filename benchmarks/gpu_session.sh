@@ -29,7 +29,7 @@ for s in "$@"; do
     sweep_triton) step sweep_triton 420 python3 benchmarks/gpu_check_triton.py --sweep --out "$OUT/sweep_triton.json" ;;
     compare) step compare 580 bash -c 'python3 train.py compare --attn tlx triton fa2 reference --config configs/gpu.yaml --steps 200 --seeds 2 --out /tmp/compare_h200 --data.num_train=409600 --data.num_val=32768 --trainer.val_check_interval=100 && cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/' ;;
     bench_quick) step bench_quick 480 python3 -m benchmarks.bench_attention --quick --out "$OUT/attention_quick" ;;
-    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,cudnn,mem_efficient,triton,tlx --shapes full,jagged:1152x1024x4x128 ;;
+    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,cudnn,mem_efficient,triton,tlx,tlx+separate_rotary --shapes full,jagged ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -1,11 +1,13 @@
 """One-call H100/H200 sweep of the TLX kernels' tuning variants (kernels.tlx_aot.TUNING_VARIANTS).
 
-    python3 benchmarks/sweep_tlx.py --out $OUT/sweep_tlx.json        # from the repo root, ~3 min
+    python3 benchmarks/sweep_tlx.py --out $OUT/sweep_tlx.json        # from the repo root, ~1 min
+    python3 benchmarks/sweep_tlx.py --out ... --variants default,bwd_separate_t_tiles --rotary on
 
 For each variant: correctness of the forward and of dq/dk/dv against kernels.reference on small
-ragged batches (tolerances of gpu_check_tlx.py), then at each benchmark shape (bf16, random data)
-the median time of fwd, bwd (autograd.grad replayed on a retained graph) and fwd+bwd through
-block_attention_tlx, and the same three passes replayed from a CUDA graph ("graph", no host work:
+ragged batches, with and without rotary (tolerances of gpu_check_tlx.py), then at each benchmark
+shape (bf16, random data), with and without fused rotary, the median time of fwd, bwd
+(autograd.grad replayed on a retained graph) and fwd+bwd through block_attention_tlx, and the
+same three passes replayed from a CUDA graph ("graph", no host work:
 the block table kernels plus the attention kernel). The gap between the two is host overhead. The
 default variant is also timed through kernels.block_attention (the dispatcher, with its offsets
 check) and profiled once, kernel by kernel. Every variant runs in its own try/except; the table
@@ -39,8 +41,8 @@ from kernels.tlx_block_attention import (  # noqa: E402
 )
 
 SHAPES = ((1024, 512, 4, 128), (2048, 256, 4, 64))  # (B, S, H, D), full 64-token blocks
-# Forward-only CUDA-graph timings that separate the batch size, head count and row pitch
-# (H*D*2 bytes) of the D=64 forward: 2048x256x4x64 ran at 21% of copy, 512x1024x8x64 at 81%.
+# Forward-only CUDA-graph timings (--fwd-diag) that separate the batch size, head count and row
+# pitch (H*D*2 bytes) of the D=64 forward: 2048x256x4x64 ran at 21% of copy, 512x1024x8x64 at 81%.
 FWD_DIAG_SHAPES = ((512, 1024, 4, 64), (2048, 256, 8, 64), (512, 1024, 8, 64), (4096, 128, 2, 128))
 CHECK_LENGTHS = [0, 1, 63, 64, 65, 200, 130, 64 * 5 + 7]  # empty, partial and full blocks
 PASSES = ("fwd", "bwd", "fwd+bwd")
