@@ -93,10 +93,12 @@ _BACKENDS = {
 BACKENDS = ("auto", *_BACKENDS)
 # Fastest first; `auto` takes the first that can run the given inputs.
 _AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
-# Measured on an H200 (benchmarks/results/attention_h200.md, compare_h200_rerun.md): at head_dim 64
-# with rotary, as the model runs it, the Triton kernel beats the TLX one (fwd+bwd 1.046 vs 1.104 ms
-# at 2048x256x4x64, and a 7% faster training step), so `auto` prefers it there; at head_dim 128
-# without rotary TLX is faster (fwd+bwd 1.500 vs 1.684 ms).
+# Measured on an H200 (benchmarks/results/attention_h200.md): at head_dim 64 the TLX kernels' device
+# time beats the Triton ones' with rotary (fwd+bwd 0.944 vs 1.060 ms replayed from a CUDA graph at
+# 2048x256x4x64) and ties them without, but an eager TLX call costs the host about 0.3 ms more
+# (host_profile_stages_h200.log), so eager, as the model trains, Triton is faster there (fwd+bwd
+# with rotary 1.161 vs 1.326 ms); `auto` prefers it below head_dim 128. At head_dim 128 TLX is
+# faster either way (fwd+bwd with rotary 1.769 vs 2.700 ms eager).
 _AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
 
 

@@ -68,11 +68,16 @@ BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "SHARED_T_TILE")
 # of O (async, off the consumer's critical path); the bwd prefers separate P^T and dS^T tiles (no
 # wait between dV and the dS^T store). H200 (benchmarks/results/sweep_tlx*_h200.log): the two O
 # stores timed alike at equal depth; one shared tile was 2% slower at D=64 plain (3 slots per
-# consumer against 2) but 13-20% faster where separate tiles leave 1 slot or 1 consumer.
+# consumer against 2), but separate tiles were 14% slower at D=64 rotary (1 slot per consumer)
+# and 25% slower at D=128 rotary (1 consumer).
 _DEPTH_CHOSEN = {"fwd": {"O_TMA_STORE": (True, False)}, "bwd": {"SHARED_T_TILE": (False, True)}}
 # Ring slots per consumer beyond which depth bought nothing on the H200: 2 and 4 slots per
-# consumer timed alike in the fwd, while 1 was 13-20% slower in the bwd.
+# consumer timed alike in the fwd, while 1 was 13-14% slower than 2 in the D=64 bwd.
 ENOUGH_SLOTS_PER_CONSUMER = 2
+# Consumer counts tried in order (the first that fits wins); (2, 1) where not listed. The plain
+# D=128 fwd ran 4% faster with one consumer on the H200 (0.509 vs 0.532 ms at 1024x512x4x128,
+# sweep_tlx_d128_h200.log), while one consumer was 6% slower with rotary and 23% slower at D=64.
+_CONSUMER_ORDER = {("fwd", 128, False): (1, 2)}
 _OVERRIDES: dict[str, dict] = {"fwd": {}, "bwd": {}}
 
 
@@ -97,9 +102,9 @@ def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM
     """Shared memory of one program: the ring plus per-consumer tiles and compiler scratch.
 
     Per slot: fwd q,k,v = 3*64*D*2 B, bwd adds dO; with rotary also the item's fp32 cos/sin
-    (2*64*D/2*4 B). Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the bwd keeps
-    two 64x64 transposed operand tiles (P^T, dS^T; one with SHARED_T_TILE). Triton adds one layout-conversion scratch
-    per consumer for a masked store from registers, 8 KiB (measured on the AOT builds;
+    (2*64*D/2*4 B). Per consumer: the fwd with O_TMA_STORE stages a 64xD tile of O; the bwd
+    keeps two 64x64 transposed operand tiles (P^T, dS^T; one with SHARED_T_TILE). Triton adds one
+    layout-conversion scratch per consumer for a masked store from registers, 8 KiB (measured on the AOT builds;
     tests/test_tlx_aot.py holds this model to them), which the fwd's O staging tile replaces;
     Triton 3.8 (triton-utlx) also needs 4 KiB of it for the fwd's rotary, to reshape the joined pairs.
     """
@@ -160,7 +165,8 @@ def _cached_config(head_dim: int, rotary: bool, backward: bool, override_key: tu
 
     choices = [dict(zip(_DEPTH_CHOSEN[direction], values)) for values in itertools.product(
         *[[knobs[k]] if k in knobs else v for k, v in _DEPTH_CHOSEN[direction].items()])]
-    for consumers in [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]:
+    for consumers in [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else _CONSUMER_ORDER.get(
+            (direction, head_dim, rotary), (2, 1)):
         # max() keeps the first of equally good layouts: the preferred one.
         layout = max(choices, key=lambda c: min(deepest_ring(consumers, c), ENOUGH_SLOTS_PER_CONSUMER * consumers))
         stages = deepest_ring(consumers, layout)
