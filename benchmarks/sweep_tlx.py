@@ -162,7 +162,10 @@ def time_fwd_diag(problems, timer, copy_tbps) -> dict:
 
 def time_dispatch(problem, timer) -> dict:
     """The default variant through kernels.block_attention, as bench_attention.py times it."""
-    dispatched = lambda q, k, v, offsets, cos, sin: block_attention(q, k, v, offsets, backend="tlx")  # noqa: E731
+    def dispatched(q, k, v, offsets, cos, sin):
+        rotary = None if cos is None else Rotary(cos=cos, sin=sin)
+        return block_attention(q, k, v, offsets, rotary=rotary, backend="tlx")
+
     return {f"{pass_}_ms": timer(fn) for pass_, fn in problem.eager_passes(dispatched).items()}
 
 

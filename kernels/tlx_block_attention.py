@@ -5,8 +5,9 @@ Invariants every kernel here relies on:
   [T, H*D] for TMA, so a (64-token block, head) tile is the box [64, D] at (start, h*D).
 - D is 64 or 128 (one wgmma N/K tile, TMA row of 128/256 bytes, D/2 rotary pairs).
 - cos/sin are contiguous fp32 [T, D/2]; the producer loads an item's [64, D/2] boxes by TMA into
-  its ring slot with the 16-bit tiles, so they are prefetched with them (H200: 1.5-1.7x faster
-  rotary passes than consumers loading them into registers, benchmarks/results/sweep_tlx_rotary_h200.log).
+  its ring slot with the 16-bit tiles, so they are prefetched with them (H200: rotary passes
+  1.15-1.3x faster than with consumers loading them into registers,
+  benchmarks/results/sweep_tlx_rotary_h200.log).
 - A block is BLOCK=64 tokens from its sequence's start (kernels.blocks.block_table); only the last
   block of a sequence is partial (len in 1..64). Its TMA tile runs into the next sequence (or TMA's
   zero fill past T): keys >= len are masked out of the softmax, query rows >= len are zeroed out
