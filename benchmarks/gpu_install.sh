@@ -14,4 +14,5 @@ if [[ -n $wheels && ! -f /tmp/site0/.complete ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site0 $wheels
   touch /tmp/site0/.complete
 fi
-ls /tmp/site /tmp/site0 2>/dev/null | grep -i dist-info | tr '\n' ' '; echo
+# What is installed; a folder that this call left out (nothing carried for it) is no error.
+(ls -d /tmp/site/*.dist-info /tmp/site0/*.dist-info 2>/dev/null || true) | xargs -r -n1 basename | tr '\n' ' '; echo
