@@ -86,7 +86,11 @@ def host_stages(backend, device) -> dict:
 
         cfg = m.tlx_config(head_dim, False, False)
         out = torch.empty_like(q)
-        descs = [m._desc_2d(m._tma_ready(x, 64), head_dim) for x in (q, k, v, out)]
+
+        def descriptors():
+            return [m._tma_desc(x, head_dim) for x in (q, k, v, out)]
+
+        descs = descriptors()
         grid = m._grid(q, table[0])
 
         def kernel_launch():
@@ -97,7 +101,7 @@ def host_stages(backend, device) -> dict:
             check_inputs=lambda: m._check_inputs(q, k, v, offsets, None, None),
             unsupported_reason=lambda: m.tlx_unsupported_reason(q),
             tlx_config=lambda: m.tlx_config(head_dim, False, False),
-            descriptors=lambda: [m._desc_2d(m._tma_ready(x, 64), head_dim) for x in (q, k, v, out)],
+            descriptors=descriptors,
             kernel_launch=kernel_launch,
             forward_impl=lambda: m._tlx_forward_impl(q, k, v, *table, None, None, False),
             custom_op=lambda: m._tlx_fwd_op(q, k, v, *table, None, None, False),
@@ -116,7 +120,7 @@ def host_stages(backend, device) -> dict:
     result = {name: host_us(fn) for name, fn in stages.items()}
     leaves = [x.requires_grad_() for x in leaves]
     if "public_function" in stages:
-        result["public_function_grad"] = host_us(lambda: stages["public_function"]())
+        result["public_function_grad"] = host_us(stages["public_function"])
     result["dispatcher_grad"] = host_us(lambda: block_attention(*leaves, offsets, backend=backend, check_offsets=False))
     return result
 

@@ -142,15 +142,15 @@ def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | No
     direction = "bwd" if backward else "fwd"
     if overrides is None:
         overrides = _OVERRIDES[direction]
-    key = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in overrides.items()))
+    knobs = tuple(sorted((k, _resolve_knob(v, head_dim)) for k, v in overrides.items()))
     # A copy: callers may add to it.
-    return dict(_cached_config(head_dim, rotary, backward, key))
+    return dict(_cached_config(head_dim, rotary, backward, knobs))
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_config(head_dim: int, rotary: bool, backward: bool, override_key: tuple) -> dict:
+def _cached_config(head_dim: int, rotary: bool, backward: bool, knob_items: tuple) -> dict:
     direction = "bwd" if backward else "fwd"
-    knobs = {k: _resolve_knob(dict(v) if isinstance(v, tuple) else v, head_dim) for k, v in override_key}
+    knobs = dict(knob_items)
 
     def fits(stages: int, consumers: int, layout: dict) -> bool:
         return smem_bytes(head_dim, rotary, backward, stages, consumers, **layout) + SMEM_SLACK <= SM90_MAX_SMEM
@@ -501,7 +501,9 @@ def _tma_ready(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x
 
 
-def _desc_2d(x: torch.Tensor, block_cols: int):
+def _tma_desc(x: torch.Tensor, block_cols: int):
+    """TMA descriptor of [64, block_cols] boxes over x viewed as 2-D [T, -1] (made _tma_ready)."""
+    x = _tma_ready(x, BLOCK_SIZE)
     x2 = x.view(x.shape[0], -1)
     return TensorDescriptor(x2, shape=list(x2.shape), strides=[x2.shape[1], 1], block_shape=[BLOCK_SIZE, block_cols])
 
@@ -510,7 +512,7 @@ def _rotary_descs(cos, sin):
     """TMA descriptors of the cos/sin tables' [64, D/2] boxes, or (None, None) without rotary."""
     if cos is None:
         return None, None
-    return tuple(_desc_2d(_tma_ready(t, BLOCK_SIZE), t.shape[1]) for t in (cos, sin))
+    return tuple(_tma_desc(t, t.shape[1]) for t in (cos, sin))
 
 
 def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
@@ -542,8 +544,7 @@ def _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rot
     with torch.cuda.device(q.device):
         # O's descriptor tiles the (padded, if T < 64) output; only full blocks are TMA-stored,
         # and those lie inside [0, T), so the padding is never written.
-        out_tma = _tma_ready(out, BLOCK_SIZE)
-        descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v)] + [_desc_2d(out_tma, D)]
+        descs = [_tma_desc(x, D) for x in (q, k, v, out)]
         _tlx_block_attn_fwd[_grid(q, block_start)](
             *descs, *_rotary_descs(cos, sin), out, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
@@ -564,7 +565,7 @@ def _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, co
     if grad_out.dtype != q.dtype:
         grad_out = grad_out.to(q.dtype)
     with torch.cuda.device(q.device):
-        descs = [_desc_2d(_tma_ready(x, BLOCK_SIZE), D) for x in (q, k, v, grad_out)]
+        descs = [_tma_desc(x, D) for x in (q, k, v, grad_out)]
         _tlx_block_attn_bwd[_grid(q, block_start)](
             *descs, *_rotary_descs(cos, sin), dq, dk, dv, block_start, block_len, num_blocks,
             H, H * D, 1.0 / math.sqrt(D),
