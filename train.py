@@ -1,110 +1,119 @@
 """Train the block-attention ranking model (models/ranking.py) on a CTR dataset (data/).
 
     python train.py                                    # configs/default.yaml: CPU, about two minutes
-    python train.py --config configs/gpu.yaml          # one H200, bf16-mixed
-    python train.py --attn=triton                      # shortcut for --model.attn_backend=triton
-    python train.py --trainer.max_steps=50 --model.num_layers=1 --data.batch_size=128
-    python train.py --ckpt_path runs/default/version_0/checkpoints/last.ckpt   # resume
+    python train.py --config configs/gpu.yaml          # one H200, bf16-mixed, compiled, CUDA graphs
+    python train.py --attn=triton                      # shortcut for --model.net.attn_backend=triton
+    python train.py --trainer.max_steps=50 --model.net.num_layers=1 --data.batch_size=128
+    python train.py --ckpt_path runs/default/version_0/checkpoints/last.ckpt   # resume in that folder
     python train.py --help                             # every key
+    python train.py compare ...                        # train several backends and compare (benchmarks/compare)
 
 configs/default.yaml is always loaded first; --config files and command-line keys override it.
 Each run writes runs/<run_name>/version_N/: config.yaml (the resolved config), metrics.csv,
-TensorBoard events and checkpoints/.
+TensorBoard events and checkpoints/. A resumed run continues in its checkpoint's folder.
 """
 
+import csv
 import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, SaveConfigCallback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 
 import kernels
-from data.batch import Batch
 from data.baseline import logistic_regression_auc
+from data.batch import Batch
 from data.datamodule import CTRDataModule
 from data.schema import FeatureSchema
 from models import RankingModel, RankingModelConfig
+from models.flops import peak_flops, sample_token_counts, train_step_flops
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 
-# Checkpoints keep these in their hyperparameters; torch.load(weights_only=True), which
-# resuming uses, unpickles only allowlisted classes.
-torch.serialization.add_safe_globals([FeatureSchema, RankingModelConfig])
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup, then cosine decay.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: applied to weight matrices only, not to embeddings, norms or biases.
+        warmup_steps: linear warmup, then cosine decay to min_lr_ratio * lr at the last step.
+        min_lr_ratio: final learning rate as a fraction of lr.
+        fused: AdamW's fused CUDA kernel (one launch for every parameter); None = on CUDA devices.
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    fused: bool | None = None
+
+
 
 
 class RankingTask(L.LightningModule):
     """The model plus its loss, metrics and optimizer.
 
     Args:
-        lr: peak AdamW learning rate.
-        weight_decay: applied to weight matrices only, not to embeddings, norms or biases.
-        warmup_steps: linear warmup, then cosine decay to min_lr_ratio * lr at the last step.
-        min_lr_ratio: final learning rate as a fraction of lr.
+        schema: the dataset's features, FeatureSchema.to_dict's form (linked from the data module, never
+            set in a config). Plain data, so checkpoints hold no classes and load with weights_only=True.
+        net: the model's sizes, attention backend and compilation.
+        optim: optimizer and learning-rate schedule.
+        peak_flops: the FLOP/s MFU is measured against; None = the device's dense bf16/fp16 datasheet
+            peak when training runs in bf16/fp16 on a known GPU (H100, H200, A100), else no MFU.
     """
 
     def __init__(
         self,
-        schema: FeatureSchema,
-        model: RankingModelConfig,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        warmup_steps: int = 50,
-        min_lr_ratio: float = 0.1,
+        schema: dict,
+        net: RankingModelConfig = RankingModelConfig(),
+        optim: OptimConfig = OptimConfig(),
+        peak_flops: float | None = None,
     ):
         super().__init__()
         # The resolved config.yaml in the run folder is the readable record; the
         # checkpoint keeps these so RankingTask.load_from_checkpoint rebuilds the model.
         self.save_hyperparameters(logger=False)
-        self.model = RankingModel(schema, model)
+        self.optim_config = optim
+        self.model = RankingModel(FeatureSchema.from_dict(schema), net)
         self.val_logloss = MeanMetric()
         self.val_ctr = MeanMetric()
         self.val_mean_prediction = MeanMetric()
         self.val_auc = BinaryAUROC()
-        self._step_start = 0.0
-        self._step_tokens = 0
+
+    def step_flops(self, batch: Batch) -> tuple[int, int]:
+        """(tokens, training FLOPs) of a batch, from its host-side lengths: no device read."""
+        history = batch.history_lengths
+        if history is None:  # a Batch built by hand rather than by the collate: read the lengths
+            lengths = batch.sequence.lengths().view(-1, batch.batch_size) if batch.sequence.keys() else None
+            history = lengths.sum(0).cpu().numpy() if lengths is not None else [0] * batch.batch_size
+        config, schema = self.model.config, self.model.schema
+        return int(sample_token_counts(config, schema, history).sum()), train_step_flops(config, schema, history)
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        logits, tokens = self.model(batch)
-        loss = self.model.loss(logits, batch.labels)
-        self._step_tokens = tokens.num_tokens
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.batch_size)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=batch.batch_size)
-        return loss
-
-    # Step time spans forward, backward and the optimizer step, not data loading.
-    # On CUDA we synchronize so the interval measures the GPU work, not kernel launches.
-    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
-        self._synchronize()
-        self._step_start = time.perf_counter()
-
-    def on_train_batch_end(self, outputs, batch: Batch, batch_idx: int) -> None:
-        self._synchronize()
-        seconds = time.perf_counter() - self._step_start
-        self.log_dict(
-            {
-                "train/step_ms": seconds * 1e3,
-                "train/samples_per_s": batch.batch_size / seconds,
-                "train/tokens_per_s": self._step_tokens / seconds,
-            },
-            batch_size=batch.batch_size,
-        )
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.model.config.compile and "reduce-overhead" in self.model.config.compile_mode:
+            # CUDA-graph trees reuse their output memory from step to step: tell them a new one starts.
+            torch.compiler.cudagraph_mark_step_begin()
+        logits, _ = self.model(batch)
+        # Logged by StepMetrics, a window of steps at a time: a per-step self.log of a tensor would
+        # read it back to the host (the progress bar does) and stall the device queue every step.
+        return self.model.loss(logits, batch.labels)
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        if self.model.config.compile and "reduce-overhead" in self.model.config.compile_mode:
+            torch.compiler.cudagraph_mark_step_begin()
         logits, _ = self.model(batch)
         logits, labels = logits.float(), batch.labels.float()
         predictions = torch.sigmoid(logits)
@@ -114,6 +123,7 @@ class RankingTask(L.LightningModule):
         self.val_auc.update(predictions, labels.long())
 
     def on_validation_epoch_end(self) -> None:
+        # torchmetrics reduces across processes (every rank's predictions count once).
         logloss, ctr = self.val_logloss.compute(), self.val_ctr.compute()
         # Normalized entropy: log loss over that of always predicting the validation CTR
         # (the label entropy); below 1 means the model beats the base rate.
@@ -136,14 +146,18 @@ class RankingTask(L.LightningModule):
         embedding_ids = {id(p) for m in self.model.modules() if isinstance(m, tables) for p in m.parameters()}
         decay, no_decay = [], []
         for parameter in self.model.parameters():
+            if not parameter.requires_grad:
+                continue
             is_matrix = parameter.dim() >= 2 and id(parameter) not in embedding_ids
             (decay if is_matrix else no_decay).append(parameter)
+        optim = self.optim_config
+        fused = optim.fused if optim.fused is not None else self.device.type == "cuda"
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=optim.lr, fused=fused,
         )
         total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
+        warmup, floor = optim.warmup_steps, optim.min_lr_ratio
 
         def lr_factor(step: int) -> float:
             if step < warmup:
@@ -155,81 +169,204 @@ class RankingTask(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def build_parser() -> LightningArgumentParser:
-    parser = LightningArgumentParser(
-        description="Train the block-attention ranking model.", default_config_files=[str(DEFAULT_CONFIG)]
-    )
-    parser.add_argument("--config", action="config", help="YAML file(s) applied over configs/default.yaml")
-    parser.add_argument("--run_name", type=str, default="default", help="runs go to <runs_dir>/<run_name>/version_N/")
-    parser.add_argument("--runs_dir", type=str, default="runs")
-    parser.add_argument("--seed_everything", type=int, default=0)
-    parser.add_argument(
-        "--attn", type=str | None, default=None, choices=[*kernels.BACKENDS, None],
-        help="shortcut for --model.attn_backend",
-    )
-    parser.add_argument("--ckpt_path", type=str | None, default=None, help="checkpoint to resume training from")
-    parser.add_argument(
-        "--baseline", type=bool, default=False,
-        help="after training, fit a logistic regression (no feature interactions) on the same split "
-        "and report both validation AUCs in <run folder>/baseline.json",
-    )
-    parser.add_class_arguments(RankingModelConfig, "model")
-    # RankingTask's own arguments (schema and model aside) are the optimizer settings.
-    parser.add_class_arguments(RankingTask, "optim", instantiate=False, skip={"schema", "model"})
-    parser.add_lightning_class_args(CTRDataModule, "data")
-    # Loggers and callbacks are fixed below so every run folder has the same layout.
-    parser.add_class_arguments(
-        L.Trainer, "trainer", instantiate=False, fail_untyped=False, skip={"logger", "callbacks", "default_root_dir"}
-    )
-    return parser
+class StepMetrics(Callback):
+    """Logs, for every training step: loss, learning rate, step time (ms), samples/s, tokens/s,
+    achieved TFLOP/s and MFU (models/flops.py's count over the peak; when one is known).
+
+    Step time is the interval between the starts of consecutive steps, so it includes data
+    loading and Lightning's own work; the step before a validation, or the last, ends at its own
+    end. On CUDA it comes from events recorded on the stream, read once every `log_every_n_steps`
+    steps (or before a validation or checkpoint): the host never waits for the device in between.
+    Lightning's ThroughputMonitor synchronizes the device every step instead, which stops the host
+    from queueing the next step's kernels while this one runs.
+    """
+
+    def __init__(self, peak_flops: float | None = None):
+        self.peak_flops = peak_flops
+        self.pending: list[dict] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.peak_flops is None:
+            dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
+            self.peak_flops = peak_flops(trainer.strategy.root_device, dtype)
+
+    def _mark(self, device: torch.device):
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _seconds(start, end) -> float:
+        if isinstance(start, float):
+            return end - start
+        return start.elapsed_time(end) / 1e3
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Batch, batch_idx: int) -> None:
+        tokens, flops = pl_module.step_flops(batch)
+        self.pending.append(dict(step=trainer.global_step, start=self._mark(pl_module.device),
+                                 samples=batch.batch_size, tokens=tokens, flops=flops,
+                                 lr=trainer.optimizers[0].param_groups[0]["lr"]))  # the rate this step uses
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch: Batch, batch_idx: int) -> None:
+        record = self.pending[-1]
+        record.update(loss=outputs["loss"].detach(), end=self._mark(pl_module.device))
+        if trainer.global_step % trainer.log_every_n_steps == 0:
+            shown = self.flush(trainer, keep_last=True)
+            if shown is not None:
+                pl_module.log("train/loss", shown, prog_bar=True, logger=False)
+
+    def flush(self, trainer, keep_last: bool) -> float | None:
+        """Logs the pending steps (all but the newest if keep_last: its interval ends when the next
+        step starts); returns the newest logged loss."""
+        finished = [r for r in self.pending if "end" in r]
+        if not finished:
+            return None
+        if not isinstance(finished[-1]["end"], float):
+            finished[-1]["end"].synchronize()  # the one wait of the window
+        logged = finished[:-1] if keep_last else finished
+        shown = None
+        for record, following in zip(logged, [*finished[1:], None]):
+            seconds = self._seconds(record["start"], following["start"] if following else record["end"])
+            loss = float(record["loss"])
+            metrics = {
+                "train/loss": loss, "train/lr": record["lr"], "train/step_ms": seconds * 1e3,
+                "train/samples_per_s": record["samples"] / seconds, "train/tokens_per_s": record["tokens"] / seconds,
+                "train/tflops": record["flops"] / seconds / 1e12,
+            }
+            if self.peak_flops:
+                metrics["train/mfu"] = record["flops"] / seconds / self.peak_flops
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=record["step"])
+            shown = loss
+        self.pending = [r for r in self.pending if r not in logged]
+        return shown
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.training or trainer.state.fn == "fit":
+            self.flush(trainer, keep_last=False)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.flush(trainer, keep_last=False)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # Every row up to the checkpoint is on disk when the checkpoint is: a run killed after it and
+        # resumed from it neither loses nor repeats a row (continue_metrics drops the rest).
+        self.flush(trainer, keep_last=False)
+        for logger in trainer.loggers:
+            logger.save()
+
+
+def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int) -> None:
+    """Lets a resumed run append to its folder's metrics.csv: keeps the rows of the steps before the
+    checkpoint (a validation is logged at the index of the step it follows) and drops what a killed
+    run logged after it."""
+    path = Path(csv_logger.log_dir) / "metrics.csv"
+    header, rows = [], []
+    if path.exists():
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header, rows = list(reader.fieldnames or []), list(reader)
+    writer = csv_logger.experiment  # Lightning's CSV writer deletes an existing metrics.csv on opening
+    if not header:
+        return
+    kept = [row for row in rows if int(row["step"]) < checkpoint_step]
+    with open(path, "w", newline="") as f:
+        rewriter = csv.DictWriter(f, fieldnames=header)
+        rewriter.writeheader()
+        rewriter.writerows(kept)
+    # It appends under the keys it has seen: give it the file's, or its first append would rewrite
+    # the file under only the columns logged since.
+    writer.metrics_keys = header
+
+
+class RankingCLI(LightningCLI):
+    """LightningCLI without subcommands: the config keys are run_name, runs_dir, attn, ckpt_path,
+    baseline, seed_everything, model (RankingTask), data (CTRDataModule) and trainer."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--run_name", type=str, default="default", help="runs go to <runs_dir>/<run_name>/version_N/")
+        parser.add_argument("--runs_dir", type=str, default="runs")
+        parser.add_argument(
+            "--attn", type=str | None, default=None, choices=[*kernels.BACKENDS, None],
+            help="shortcut for --model.net.attn_backend",
+        )
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="checkpoint to resume training from; the run continues in its folder")
+        parser.add_argument(
+            "--dry_run", type=bool, default=False,
+            help="check the config (build the model, data module and trainer), print it resolved as YAML and "
+            "exit, preparing no data and training nothing",
+        )
+        parser.add_argument(
+            "--baseline", type=bool, default=False,
+            help="after training, fit a logistic regression (no feature interactions) on the same split "
+            "and report both validation AUCs in <run folder>/baseline.json",
+        )
+        # The model's features are the dataset's: set by the data module, never in a config.
+        parser.link_arguments("data", "model.schema", compute_fn=lambda data: data.schema.to_dict(),
+                              apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        if self.config.attn is not None:
+            self.config.model.net.attn_backend = self.config.attn
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        config = self.config
+        version = None
+        if config.ckpt_path:  # runs/<name>/version_N/checkpoints/x.ckpt: continue in version_N
+            run_folder = Path(config.ckpt_path).resolve().parent.parent
+            if run_folder.name.startswith("version_") and run_folder.parent.name == config.run_name:
+                version = run_folder.name
+        csv_logger = CSVLogger(config.runs_dir, name=config.run_name, version=version)
+        if version is not None:
+            continue_metrics(csv_logger, torch.load(config.ckpt_path, map_location="cpu", weights_only=True)["global_step"])
+        loggers = [
+            csv_logger,
+            TensorBoardLogger(config.runs_dir, name=config.run_name, version=csv_logger.version,
+                              default_hp_metric=False),
+        ]
+        callbacks = [
+            # Two checkpointers: Lightning 2.6 only refreshes a monitoring checkpointer's last.ckpt
+            # when the monitored metric improved, and resuming wants the latest state.
+            ModelCheckpoint(monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}",
+                            auto_insert_metric_name=False),
+            ModelCheckpoint(filename="last"),  # overwritten at every validation
+            StepMetrics(config.model.peak_flops),
+            *(self._get(self.config_init, "trainer", default={}).get("callbacks") or []),  # the config's own
+        ]
+        # The data module shards rows by rank itself (ShardedSampler), without repeating any.
+        return super().instantiate_trainer(logger=loggers, callbacks=callbacks, use_distributed_sampler=False,
+                                           **kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    config = parser.parse_args(argv)
-    if config.attn is not None:
-        config.model.attn_backend = config.attn
-    L.seed_everything(config.seed_everything, workers=True)
     try:
-        objects = parser.instantiate(config)
-    except ValueError as error:  # e.g. RankingModelConfig's checks of sizes and backend name
-        parser.error(str(error))
-
-    csv_logger = CSVLogger(config.runs_dir, name=config.run_name)
-    loggers = [
-        csv_logger,
-        TensorBoardLogger(config.runs_dir, name=config.run_name, version=csv_logger.version, default_hp_metric=False),
-    ]
-    callbacks = [
-        # Two checkpointers: Lightning 2.6 only refreshes a monitoring checkpointer's
-        # last.ckpt when the monitored metric improved, and resuming wants the latest state.
-        ModelCheckpoint(
-            monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}", auto_insert_metric_name=False
-        ),
-        ModelCheckpoint(filename="last"),  # overwritten at every validation
-        SaveConfigCallback(parser, config),
-    ]
-    try:
-        trainer = L.Trainer(**objects.trainer, logger=loggers, callbacks=callbacks)
-    except MisconfigurationException as error:  # e.g. accelerator: gpu on a machine without one
-        parser.error(f"trainer settings: {error}")
-
+        cli = RankingCLI(
+            RankingTask, CTRDataModule, run=False, args=argv, seed_everything_default=0,
+            auto_configure_optimizers=False, save_config_kwargs={"overwrite": True},
+            parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "parser_mode": "yaml"},
+        )
+    except (ValueError, MisconfigurationException) as error:  # a model/data/trainer setting rejected
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    trainer, task, datamodule = cli.trainer, cli.model, cli.datamodule
     if trainer.strategy.root_device.type == "cuda":
         # Lets the matmuls that bf16-mixed keeps in fp32 use TF32 tensor cores (CPU numerics stay exact).
         torch.set_float32_matmul_precision("high")
-
     # Fail before any data is prepared if the chosen kernel cannot run on this device.
     try:
-        kernels.check_backend(config.model.attn_backend, trainer.strategy.root_device)
+        kernels.check_backend(task.model.config.attn_backend, trainer.strategy.root_device)
     except kernels.BackendUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-
-    datamodule: CTRDataModule = objects.data
-    task = RankingTask(datamodule.schema, objects.model, **objects.optim)
-    trainer.fit(task, datamodule=datamodule, ckpt_path=config.ckpt_path)
-    if config.baseline:
-        report_baseline(trainer, datamodule, Path(csv_logger.log_dir))
+    if cli.config.dry_run:
+        print(cli.parser.dump(cli.config, skip_none=False), end="")  # as SaveConfigCallback writes it
+        return
+    trainer.fit(task, datamodule=datamodule, ckpt_path=cli.config.ckpt_path, weights_only=True)
+    if cli.config.baseline:
+        report_baseline(trainer, datamodule, Path(trainer.loggers[0].log_dir))
 
 
 def report_baseline(trainer: L.Trainer, datamodule: CTRDataModule, run_dir: Path) -> None:
@@ -245,7 +382,7 @@ def report_baseline(trainer: L.Trainer, datamodule: CTRDataModule, run_dir: Path
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "compare":
-        from benchmarks.compare_backends import main as compare_main
+        from benchmarks.compare.__main__ import main as compare_main
 
         sys.exit(compare_main(sys.argv[2:]))
     main()

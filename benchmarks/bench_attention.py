@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from kernels import (
     BLOCK_SIZE,
+    BlockTable,
     Rotary,
     apply_rotary,
     block_attention,
@@ -46,6 +47,7 @@ from kernels import (
     offsets_from_lengths,
     rotary_tables,
 )
+from kernels.testing import parity
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 # T*H*D-element tensors a pass must move at least once: fwd reads q, k, v and writes o; bwd reads
@@ -55,7 +57,10 @@ TENSORS_MOVED = {"fwd": 4, "bwd": 8, "fwd+bwd": 12}
 TABLE_READS = {"fwd": 1, "bwd": 1, "fwd+bwd": 2}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 JAGGED_MIN_FRACTION = 0.4  # jagged lengths are uniform in [0.4 * max_len, max_len], like Meta's benchmark
-CHECK_SEQUENCES = 4  # each impl's output is checked against the reference on the batch's first sequences
+# Our backends are judged by kernels.testing.parity (once per backend, head_dim and rotary setting).
+# The peers are not block_attention backends; each is sanity-checked against the reference on the
+# batch's first sequences, so a peer that computes another function is never timed as if it didn't.
+CHECK_SEQUENCES = 4
 CHECK_TOLERANCE = 3e-2  # max abs error; bf16 rounding stays well below, a wrong mask or layout errs by ~0.1+
 SEPARATE_ROTARY = "+separate_rotary"
 # FlexAttention's sparse tile. 128 is its default, which its default kernel configs accept; 64
@@ -146,6 +151,7 @@ def frac_copy_bw(nbytes: int, ms: float, copy_bw_tbps: float) -> float:
 class Inputs:
     shape: Shape
     offsets: torch.Tensor  # int32 [B+1]
+    table: BlockTable  # built once, as a model builds it once per batch for all its layers
     q: torch.Tensor  # [T, H, D] leaves that require grad
     k: torch.Tensor
     v: torch.Tensor
@@ -169,7 +175,7 @@ def make_inputs(shape: Shape, device: torch.device, seed: int, dtype: torch.dtyp
 
     q, k, v = (randn().requires_grad_() for _ in range(3))
     cos, sin = rotary_tables(Rotary(), offsets, tokens, shape.head_dim)
-    return Inputs(shape, offsets, q, k, v, randn(), cos, sin)
+    return Inputs(shape, offsets, block_table(offsets, tokens), q, k, v, randn(), cos, sin)
 
 
 # ----------------------------------------------------------------------------------- implementations
@@ -184,15 +190,16 @@ def _require_cuda(inputs: Inputs, what: str) -> None:
         raise SkipRow(f"{what} needs a CUDA GPU")
 
 
-def ours(backend: str) -> Callable:
-    """kernels.block_attention with one backend; it takes rotary=Rotary(...) and fuses it."""
+def ours(backend: str, launch: dict | None = None) -> Callable:
+    """kernels.block_attention with one backend and the batch's BlockTable (built once, outside the
+    timed call, as the model does); it takes rotary=Rotary(cos=..., sin=...) and fuses it.
+    `launch` overrides the backend's launch settings (benchmarks/sweep.py's variants)."""
 
     def make(inputs: Inputs) -> Callable:
         check_backend(backend, inputs.q.device)  # before anything compiles for it
 
         def attend(q, k, v, rotary=None):
-            # Offsets are valid by construction here, as in the model: skip the check's host read.
-            return block_attention(q, k, v, inputs.offsets, rotary=rotary, backend=backend, check_offsets=False)
+            return block_attention(q, k, v, inputs.table, rotary=rotary, backend=backend, launch=launch)
 
         return attend
 
@@ -240,7 +247,8 @@ def flex_block_mask(offsets: torch.Tensor, tokens: int, full_blocks: bool):
     from torch.nn.attention.flex_attention import BlockMask
 
     device = offsets.device
-    block_start, block_len = (x.long() for x in block_table(offsets))
+    table = block_table(offsets, tokens)
+    block_start, block_len = table.block_start.long(), table.block_len.long()
     block_of_token = torch.searchsorted(block_start, torch.arange(tokens, device=device), right=True) - 1
     if full_blocks:
 
@@ -317,21 +325,23 @@ class Impl:
     make: Callable[[Inputs], Callable]  # inputs -> attend(q, k, v); raises SkipRow if it can't run them
     fused_rotary: bool  # attend takes rotary=Rotary(...); otherwise compiled ops rotate q and k first
     rotary_only: bool = False
+    backend: str | None = None  # ours: the block_attention backend, judged by kernels.testing.parity
+    launch: str = ""  # ours: its launch overrides as kernels.backend.launch_json gives them
 
 
 IMPLS = {
     impl.name: impl
     for impl in (
-        Impl("reference", ours("reference"), fused_rotary=True),
+        Impl("reference", ours("reference"), fused_rotary=True, backend="reference"),
         Impl("fa2", fa2, fused_rotary=False),
         Impl("cudnn", folded_sdpa("CUDNN_ATTENTION"), fused_rotary=False),
         Impl("mem_efficient", folded_sdpa("EFFICIENT_ATTENTION"), fused_rotary=False),
         Impl("flex", flex, fused_rotary=False),
-        Impl("triton", ours("triton"), fused_rotary=True),
-        Impl("tlx", ours("tlx"), fused_rotary=True),
+        Impl("triton", ours("triton"), fused_rotary=True, backend="triton"),
+        Impl("tlx", ours("tlx"), fused_rotary=True, backend="tlx"),
         # Issue 4: our kernel without rotary after compiled rotary ops, against the same kernel fused.
-        Impl("triton" + SEPARATE_ROTARY, ours("triton"), fused_rotary=False, rotary_only=True),
-        Impl("tlx" + SEPARATE_ROTARY, ours("tlx"), fused_rotary=False, rotary_only=True),
+        Impl("triton" + SEPARATE_ROTARY, ours("triton"), fused_rotary=False, rotary_only=True, backend="triton"),
+        Impl("tlx" + SEPARATE_ROTARY, ours("tlx"), fused_rotary=False, rotary_only=True, backend="tlx"),
     )
 }
 
@@ -357,6 +367,22 @@ def reference_error(out: torch.Tensor, inputs: Inputs, rotary: bool) -> float:
     q, k, v = (x.detach()[:end] for x in (inputs.q, inputs.k, inputs.v))
     expected = block_attention_reference(q, k, v, offsets, *tables)
     return (out.detach()[:end].float() - expected.float()).abs().max().item()
+
+
+@functools.cache
+def _parity(backend: str, launch: str, heads: int, head_dim: int, dtype: torch.dtype, rotary: bool,
+            device: torch.device):
+    return parity(backend, heads=heads, head_dim=head_dim, dtype=dtype, rotary=Rotary() if rotary else None,
+                  device=device, launch=json.loads(launch) if launch else None)
+
+
+def judge(impl: Impl, inputs: Inputs, rotary: bool, max_abs_err: float) -> tuple[bool, str]:
+    """(correct, how it was judged): parity for our backends, the sanity check for peers."""
+    if impl.backend is None:
+        return max_abs_err <= CHECK_TOLERANCE, f"max abs err {max_abs_err:.3g} vs reference (tolerance {CHECK_TOLERANCE})"
+    result = _parity(impl.backend, impl.launch, inputs.shape.heads, inputs.shape.head_dim, inputs.q.dtype,
+                     rotary and impl.fused_rotary, inputs.q.device)
+    return result.ok, "parity " + ("PASS" if result.ok else "FAIL: " + "; ".join(result.failures))
 
 
 # -------------------------------------------------------------------------------------------- timing
@@ -465,14 +491,15 @@ def describe(error: BaseException, warned: list | tuple = ()) -> str:
 
 def make_row(
     impl: str, inputs: Inputs, pass_: str, rotary: bool, copy_bw_tbps: float, ms: float | None = None,
-    max_abs_err: float | None = None, bwd_timing: str | None = None, skip_reason: str | None = None,
+    max_abs_err: float | None = None, correct: bool = False, check: str | None = None, bwd_timing: str | None = None,
+    skip_reason: str | None = None,
 ) -> dict:
     shape = inputs.shape
     nbytes = min_bytes(pass_, inputs.tokens, shape.heads, shape.head_dim, inputs.q.element_size(), rotary)
     if ms is None:
         status = "skipped"
     else:
-        status = "ok" if max_abs_err is not None and max_abs_err <= CHECK_TOLERANCE else "mismatch"
+        status = "ok" if correct else "mismatch"
     return {
         "impl": impl,
         "shape": shape.label,
@@ -484,6 +511,7 @@ def make_row(
         "status": status,
         "skip_reason": skip_reason,
         "max_abs_err": max_abs_err,
+        "check": check,
         "bwd_timing": bwd_timing,
         "graph_ms": None,  # filled in by bench_impl under --graph
         "graph_frac_copy_bw": None,
@@ -515,6 +543,7 @@ def bench_impl(impl: Impl, inputs: Inputs, rotary: bool, timer: Callable, copy_b
     device = inputs.q.device
     try:
         forward, max_abs_err = warm_up(impl, inputs, rotary)
+        correct, check = judge(impl, inputs, rotary, max_abs_err)
         reason = None
     except Exception as error:
         reason = describe(error)
@@ -525,7 +554,7 @@ def bench_impl(impl: Impl, inputs: Inputs, rotary: bool, timer: Callable, copy_b
     for pass_ in PASSES:
         try:
             ms, bwd_timing = time_pass(pass_, forward, inputs, timer)
-            row = make_row(impl.name, inputs, pass_, rotary, copy_bw_tbps, ms, max_abs_err, bwd_timing)
+            row = make_row(impl.name, inputs, pass_, rotary, copy_bw_tbps, ms, max_abs_err, correct, check, bwd_timing)
         except Exception as error:
             row = make_row(impl.name, inputs, pass_, rotary, copy_bw_tbps, skip_reason=describe(error))
         rows.append(row)
@@ -601,7 +630,7 @@ def _note(row: dict) -> str:
         return "skipped: " + _cell(row["skip_reason"] or "")
     notes = []
     if row["status"] == "mismatch":
-        notes.append(f"MISMATCH: max abs err {row['max_abs_err']:.3g} vs reference")
+        notes.append(f"MISMATCH: {row['check']}")
     if row["bwd_timing"] and row["bwd_timing"] != "retain_graph":
         notes.append(_cell(row["bwd_timing"]))
     return "; ".join(notes)
@@ -613,7 +642,7 @@ def render_shape_table(rows: list[dict], shape_label: str) -> str:
     selected.sort(key=lambda r: (PASSES.index(r["pass"]), r["rotary"]))  # stable: impl order kept
     tokens = selected[0]["tokens"] if selected else 0
     graphed = any(r.get("graph_ms") is not None for r in selected)
-    graph_head, graph_rule = (" graph ms | graph % copy | graph vs fa2 |", "---:|---:|---:|") if graphed else ("", "")
+    graph_head, graph_rule = (" graph ms | graph % copy | graph vs fa2 | eager / graph |", "---:|---:|---:|---:|") if graphed else ("", "")
     lines = [
         f"### {shape_label} (T = {tokens} tokens)",
         "",
@@ -624,8 +653,10 @@ def render_shape_table(rows: list[dict], shape_label: str) -> str:
         graph_cells = ""
         if graphed:
             frac = r.get("graph_frac_copy_bw")
+            # Host cost an eager call adds beyond its device time (the graph replay has none).
+            eager_over_graph = r["ms"] / r["graph_ms"] if r["ms"] and r.get("graph_ms") else None
             graph_cells = (f" {_fmt(r.get('graph_ms'), '.3f')} | {_fmt(None if frac is None else 100 * frac, '.1f', '%')} "
-                           f"| {_fmt(r.get('graph_speedup_vs_fa2'), '.2f', '×')} |")
+                           f"| {_fmt(r.get('graph_speedup_vs_fa2'), '.2f', '×')} | {_fmt(eager_over_graph, '.2f', '×')} |")
         lines.append(
             f"| {r['impl']} | {r['pass']} | {'yes' if r['rotary'] else 'no'} | {_fmt(r['ms'], '.3f')} "
             f"| {_fmt(None if r['frac_copy_bw'] is None else 100 * r['frac_copy_bw'], '.1f', '%')} "

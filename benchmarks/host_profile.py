@@ -15,7 +15,6 @@ import argparse
 import cProfile
 import io
 import json
-import math
 import pstats
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_attention import replay_ms  # noqa: E402
-from kernels import block_attention, check_backend  # noqa: E402
+from kernels import block_attention, block_table, check_backend, get_backend  # noqa: E402
 
 TINY = (4, 256, 4, 64)  # (B, S, H, D): a few microseconds of device work
 FULL = (2048, 256, 4, 64)
@@ -67,69 +66,32 @@ def top_functions(fn, calls=300, lines=22) -> str:
 
 
 def host_stages(backend, device) -> dict:
-    """Host microseconds of each layer of one no-grad forward on the tiny batch, innermost first,
-    and of the public function and the dispatcher with autograd recording."""
-    from kernels.blocks import counted_block_table
-
+    """Host microseconds of each layer of one forward on the tiny batch, through public names only:
+    the block table, the backend's run (its custom op and launcher), the dispatcher given the
+    prebuilt table, and the dispatcher given offsets (which builds the table); with and without
+    autograd recording."""
     leaves, _, offsets = make_inputs(TINY, device, False)
     q, k, v = leaves
-    tokens, heads, head_dim = q.shape
-    table = counted_block_table(offsets, tokens)
-
-    def device_context():
-        with torch.cuda.device(q.device):
-            pass
-
-    stages = {"block_table": lambda: counted_block_table(offsets, tokens), "device_context": device_context}
-    if backend == "tlx":
-        from kernels import tlx_block_attention as m
-
-        cfg = m.tlx_config(head_dim, False, False)
-        out = torch.empty_like(q)
-
-        def descriptors():
-            return [m._tma_desc(x, head_dim) for x in (q, k, v, out)]
-
-        descs = descriptors()
-        grid = m._grid(q, table[0])
-
-        def kernel_launch():
-            m._tlx_block_attn_fwd[grid](*descs, None, None, out, *table, heads, heads * head_dim, 1 / math.sqrt(head_dim),
-                                        HEAD_DIM=head_dim, ROTARY=False, ROTATE_V=False, num_warps=4, num_stages=1, **cfg)
-
-        stages.update(
-            check_inputs=lambda: m._check_inputs(q, k, v, offsets, None, None),
-            unsupported_reason=lambda: m.tlx_unsupported_reason(q),
-            tlx_config=lambda: m.tlx_config(head_dim, False, False),
-            descriptors=descriptors,
-            kernel_launch=kernel_launch,
-            forward_impl=lambda: m._tlx_forward_impl(q, k, v, *table, None, None, False),
-            custom_op=lambda: m._tlx_fwd_op(q, k, v, *table, None, None, False),
-            public_function=lambda: m.block_attention_tlx(q, k, v, offsets),
-        )
-    elif backend == "triton":
-        from kernels import triton_block_attention as m
-
-        out = torch.empty_like(q)
-        stages.update(
-            launch_forward=lambda: m._launch_forward(q, k, v, *table, None, None, False, out),
-            custom_op=lambda: m._forward_op(q, k, v, *table, None, None, False),
-            public_function=lambda: m.block_attention_triton(q, k, v, offsets),
-        )
-    stages["dispatcher"] = lambda: block_attention(q, k, v, offsets, backend=backend, check_offsets=False)
+    table = block_table(offsets, q.shape[0])
+    run = get_backend(backend).run
+    stages = {
+        "block_table": lambda: block_table(offsets, q.shape[0]),
+        "backend_run": lambda: run(q, k, v, table, None, None, False, ""),
+        "dispatcher_table": lambda: block_attention(q, k, v, table, backend=backend),
+        "dispatcher_offsets": lambda: block_attention(q, k, v, offsets, backend=backend, check_offsets=False),
+    }
     result = {name: host_us(fn) for name, fn in stages.items()}
     leaves = [x.requires_grad_() for x in leaves]
-    if "public_function" in stages:
-        result["public_function_grad"] = host_us(stages["public_function"])
-    result["dispatcher_grad"] = host_us(lambda: block_attention(*leaves, offsets, backend=backend, check_offsets=False))
+    result["dispatcher_table_grad"] = host_us(lambda: block_attention(*leaves, table, backend=backend))
     return result
 
 
 def profile_backend(backend, device, timer) -> dict:
     leaves, grad_out, offsets = make_inputs(TINY, device, True)
+    table = block_table(offsets, leaves[0].shape[0])
 
     def fwd():
-        return block_attention(*leaves, offsets, backend=backend, check_offsets=False)
+        return block_attention(*leaves, table, backend=backend)
 
     def fwd_bwd():
         torch.autograd.grad(fwd(), leaves, grad_out)
@@ -141,9 +103,10 @@ def profile_backend(backend, device, timer) -> dict:
     row["fwd_bwd_profile"] = top_functions(fwd_bwd, calls=150)
 
     leaves, grad_out, offsets = make_inputs(FULL, device, False)
+    table = block_table(offsets, leaves[0].shape[0])
 
     def full_fwd():
-        return block_attention(*leaves, offsets, backend=backend, check_offsets=False)
+        return block_attention(*leaves, table, backend=backend)
 
     row["full_fwd_eager_ms"] = timer(full_fwd)
     row["full_fwd_graph_ms"] = replay_ms(full_fwd, timer)

@@ -19,13 +19,19 @@ class Batch:
     sparse: KeyedJaggedTensor  # categorical keys, lengths all 1
     sequence: KeyedJaggedTensor  # sequence keys, lengths 0..max_len
     labels: torch.Tensor  # float32 [B] of 0/1
+    # Each sample's history items over every sequence feature, on the host (numpy, never moved):
+    # token and FLOP counts come from here without reading lengths back from the device.
+    history_lengths: np.ndarray | None = None
 
-    def to(self, device, non_blocking: bool = False) -> "Batch":
+    def to(self, device, non_blocking: bool = True) -> "Batch":
+        # Non-blocking by default: from the loader's pinned memory the copy is asynchronous, so the
+        # host never waits for the device to drain its queue before the step (a blocking copy would).
         return Batch(
             dense=self.dense.to(device, non_blocking=non_blocking),
             sparse=self.sparse.to(device, non_blocking=non_blocking),
             sequence=self.sequence.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
+            history_lengths=self.history_lengths,
         )
 
     def pin_memory(self) -> "Batch":
@@ -34,6 +40,7 @@ class Batch:
             sparse=self.sparse.pin_memory(),
             sequence=self.sequence.pin_memory(),
             labels=self.labels.pin_memory(),
+            history_lengths=self.history_lengths,
         )
 
     @property
@@ -70,11 +77,15 @@ class ArrowBatchCollator:
         categorical_names = list(schema.categorical_names)  # KJT keys must be a list
         # KJT values are key-major: all samples of the first key, then the next key.
         sparse_values = [_owned_tensor(rows.column(name), np.int64) for name in categorical_names]
+        # length_per_key/offset_per_key given here, on the host: torchrec would otherwise compute
+        # them from the lengths on the device, a host read inside every training step.
         sparse = KeyedJaggedTensor(
             keys=categorical_names,
             values=torch.cat(sparse_values) if sparse_values else torch.empty(0, dtype=torch.int64),
             lengths=torch.ones(len(categorical_names) * batch_size, dtype=torch.int32),
             stride=batch_size,
+            length_per_key=[batch_size] * len(categorical_names),
+            offset_per_key=[batch_size * i for i in range(len(categorical_names) + 1)],
         )
 
         sequence_names = list(schema.sequence_names)
@@ -84,12 +95,17 @@ class ArrowBatchCollator:
             # flatten() honours slicing offsets, unlike .values
             sequence_values.append(_owned_tensor(lists.flatten(), np.int64))
             sequence_lengths.append(_owned_tensor(pc.list_value_length(lists), np.int32))
+        items_per_key = [len(values) for values in sequence_values]
         sequence = KeyedJaggedTensor(
             keys=sequence_names,
             values=torch.cat(sequence_values) if sequence_values else torch.empty(0, dtype=torch.int64),
             lengths=torch.cat(sequence_lengths) if sequence_lengths else torch.empty(0, dtype=torch.int32),
             stride=batch_size,
+            length_per_key=items_per_key,
+            offset_per_key=np.concatenate([[0], np.cumsum(items_per_key, dtype=np.int64)]).tolist(),
         )
+        history_lengths = sum((lengths.numpy().astype(np.int64) for lengths in sequence_lengths),
+                              np.zeros(batch_size, dtype=np.int64))
 
         labels = _owned_tensor(rows.column(LABEL), np.float32)
-        return Batch(dense=dense, sparse=sparse, sequence=sequence, labels=labels)
+        return Batch(dense=dense, sparse=sparse, sequence=sequence, labels=labels, history_lengths=history_lengths)

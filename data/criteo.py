@@ -27,8 +27,9 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from data.registry import DataArgs, DatasetSpec
 from data.schema import LABEL, FeatureSchema, signed_log1p
-from data.storage import ROW_GROUP_SIZE, SPLITS, shard_path, staged_folder, write_meta
+from data.storage import META_FILE, ROW_GROUP_SIZE, SPLITS, shard_path, staged_folder, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -287,3 +288,18 @@ def prepare_criteo(
         f" (first: {summary.first_malformed[0]})" if summary.first_malformed else "",
     )  # fmt: skip
     return summary
+
+
+def _prepared_folder(args: DataArgs) -> Path:
+    """Criteo's terms keep it from being fetched here: data_dir is the --out folder of `data.prepare criteo`."""
+    if not (args.data_dir / META_FILE).exists():
+        raise FileNotFoundError(
+            f"{args.data_dir} holds no prepared Criteo data; run `python -m data.prepare criteo --input <tsv> "
+            f"--out {args.data_dir} --table-size {args.vocab_size}` first"
+        )
+    return args.data_dir
+
+
+DATASET = DatasetSpec(
+    schema=lambda args: criteo_schema(args.vocab_size), folder=lambda args: args.data_dir, prepare=_prepared_folder
+)

@@ -1,4 +1,5 @@
-"""Lightning data module: prepares, validates and batches any supported dataset."""
+"""Lightning data module: prepares, validates and batches any registered dataset (data/registry.py),
+each process reading its own shard, resumable mid-epoch."""
 
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from data.batch import ArrowBatchCollator
-from data.criteo import criteo_schema
-from data.movielens import MovieLensConfig, ensure_movielens, movielens_folder, movielens_schema
+from data.registry import DATASET_MODULES, DataArgs, dataset_spec
 from data.schema import FeatureSchema
-from data.storage import META_FILE, load_split, read_meta
-from data.synthetic import SyntheticConfig, ensure_synthetic, synthetic_folder, synthetic_schema
+from data.storage import load_split, read_meta
 from data.validation import validate_table
 
-DATASETS = ("synthetic", "criteo", "movielens100k")
 log = logging.getLogger(__name__)
 
 
@@ -37,6 +35,47 @@ class ArrowRows(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> pa.Table:
         return self.rows[indices]
+
+
+class ShardedSampler(torch.utils.data.Sampler[int]):
+    """This process's rows of one epoch, resumable mid-epoch.
+
+    With `shuffle`, an epoch's order is a permutation seeded by (seed, epoch), the same on every
+    rank; rank r takes every world_size-th row of it, cut so that every rank gets as many (at most
+    world_size - 1 rows of an epoch go unused, and no row is seen twice). Without it (validation),
+    rank r takes rows r, r + world_size, ..., all of them. Iteration starts `consumed` rows into the
+    epoch: 0, or where a checkpoint left off.
+    """
+
+    def __init__(self, num_rows: int, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1):
+        self.num_rows, self.shuffle, self.seed, self.rank, self.world_size = num_rows, shuffle, seed, rank, world_size
+        self.epoch, self.consumed = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this before each epoch; a new epoch starts from its beginning."""
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def _rows(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.rank, self.num_rows, self.world_size)
+        order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        per_rank = self.num_rows // self.world_size
+        return order[self.rank: per_rank * self.world_size: self.world_size]
+
+    def __iter__(self):
+        return iter(self._rows()[self.consumed:].tolist())
+
+    def __len__(self) -> int:
+        # The whole epoch's share, also when resuming into it: Lightning counts the epoch's batches
+        # from its start and resumes its own count where the checkpoint left off.
+        return len(self._rows()) if not self.shuffle else self.num_rows // self.world_size
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
 class CTRDataModule(lightning.LightningDataModule):
@@ -68,57 +107,31 @@ class CTRDataModule(lightning.LightningDataModule):
         max_history_len: int = 256,
     ):
         super().__init__()
-        if dataset not in DATASETS:
-            raise ValueError(f"dataset={dataset!r} is not one of {DATASETS}")
+        self.spec = dataset_spec(dataset)  # raises ValueError naming the registered datasets
         if batch_size < 1 or num_workers < 0 or num_train < 0 or num_val < 0:
             raise ValueError(
                 f"need batch_size >= 1, num_workers >= 0, num_train >= 0, num_val >= 0; got "
                 f"batch_size={batch_size}, num_workers={num_workers}, num_train={num_train}, num_val={num_val}"
             )
         self.dataset = dataset
-        self.data_dir = Path(data_dir)
-        self.num_train = num_train
-        self.num_val = num_val
+        self.args = DataArgs(
+            data_dir=Path(data_dir), num_train=num_train, num_val=num_val, seed=seed, num_dense=num_dense,
+            num_categorical=num_categorical, vocab_size=vocab_size, num_items=num_items,
+            max_history_len=max_history_len,
+        )
         self.batch_size = batch_size
         self.num_workers = num_workers
-        self.seed = seed
-        if dataset == "synthetic":
-            self.synthetic_config = SyntheticConfig(
-                num_train=num_train,
-                num_val=num_val,
-                num_dense=num_dense,
-                num_categorical=num_categorical,
-                vocab_size=vocab_size,
-                num_items=num_items,
-                max_history_len=max_history_len,
-                seed=seed,
-            )
-            self.schema: FeatureSchema = synthetic_schema(self.synthetic_config)
-        elif dataset == "criteo":
-            self.schema = criteo_schema(vocab_size)
-        else:
-            self.movielens_config = MovieLensConfig(max_history_len=max_history_len)
-            self.schema = movielens_schema(self.movielens_config)
+        self.schema: FeatureSchema = self.spec.schema(self.args)  # also checks the dataset's own arguments
         self.collate = ArrowBatchCollator(self.schema)
         self.splits: dict[str, datasets.Dataset] = {}
+        self.train_sampler: ShardedSampler | None = None
+        self._sampler_state: dict | None = None
 
     def prepared_folder(self) -> Path:
-        if self.dataset == "synthetic":
-            return synthetic_folder(self.synthetic_config, self.data_dir)
-        if self.dataset == "criteo":
-            return self.data_dir
-        return movielens_folder(self.movielens_config, self.data_dir)
+        return self.spec.folder(self.args)
 
     def prepare_data(self) -> None:
-        if self.dataset == "synthetic":
-            ensure_synthetic(self.synthetic_config, self.data_dir)
-        elif self.dataset == "movielens100k":
-            ensure_movielens(self.movielens_config, self.data_dir)
-        elif not (self.data_dir / META_FILE).exists():
-            raise FileNotFoundError(
-                f"{self.data_dir} holds no prepared Criteo data; run `python -m data.prepare criteo --input <tsv> "
-                f"--out {self.data_dir} --table-size {self.schema.categorical[0][1]}` first"
-            )
+        self.spec.prepare(self.args)
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
@@ -130,10 +143,10 @@ class CTRDataModule(lightning.LightningDataModule):
                 f"prepared data in {folder} has schema {prepared_schema}, but the datamodule arguments give "
                 f"{self.schema}; re-prepare the data or change the arguments (e.g. vocab_size)"
             )
-        limits = {"train": self.num_train, "validation": self.num_val}
+        limits = {"train": self.args.num_train, "validation": self.args.num_val}
         for split, limit in limits.items():
             rows = load_split(folder, split)
-            if self.dataset != "synthetic" and 0 < limit < len(rows):
+            if not self.spec.generated and 0 < limit < len(rows):
                 log.warning(
                     "%s: using only the first %d of %d %s rows (num_train/num_val; 0 = all)",
                     folder, limit, len(rows), split,
@@ -142,14 +155,18 @@ class CTRDataModule(lightning.LightningDataModule):
             validate_table(rows.with_format("arrow")[:], self.schema, split=f"{folder}/{split}")
             self.splits[split] = rows
 
+    def _rank_and_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if not self.splits:
             raise RuntimeError("CTRDataModule: call prepare_data() and setup() before asking for dataloaders")
+        sampler = ShardedSampler(len(self.splits[split]), shuffle, self.args.seed, *self._rank_and_world())
         return DataLoader(
             ArrowRows(self.splits[split]),
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            sampler=sampler,
             collate_fn=self.collate,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -157,7 +174,25 @@ class CTRDataModule(lightning.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        loader = self._loader("train", shuffle=True)
+        self.train_sampler = loader.sampler
+        if self._sampler_state is not None:  # resuming: continue the epoch where the checkpoint left off
+            self.train_sampler.load_state_dict(self._sampler_state)
+            self._sampler_state = None
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", shuffle=False)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        # Counted as a training step takes the batch, not as the loader yields it: Lightning fetches
+        # one batch ahead, and a checkpoint must resume at the first batch no step has seen.
+        if self.train_sampler is not None and self.trainer is not None and self.trainer.training:
+            self.train_sampler.consumed += batch.batch_size
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"train_sampler": self.train_sampler.state_dict()} if self.train_sampler is not None else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._sampler_state = state_dict.get("train_sampler")

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from data.registry import DataArgs, DatasetSpec
 from data.schema import LABEL, FeatureSchema, signed_log1p
 from data.storage import META_FILE, keyed_folder, write_prepared
 
@@ -260,3 +261,14 @@ def ensure_movielens(config: MovieLensConfig, root: str | Path) -> Path:
         rows={"train": train.num_rows, "validation": validation.num_rows},
     )  # fmt: skip
     return folder
+
+
+def movielens_config(args: DataArgs) -> MovieLensConfig:
+    return MovieLensConfig(max_history_len=args.max_history_len)
+
+
+DATASET = DatasetSpec(
+    schema=lambda args: movielens_schema(movielens_config(args)),
+    folder=lambda args: movielens_folder(movielens_config(args), args.data_dir),
+    prepare=lambda args: ensure_movielens(movielens_config(args), args.data_dir),
+)

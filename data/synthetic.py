@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from data.registry import DataArgs, DatasetSpec
 from data.schema import LABEL, FeatureSchema, signed_log1p
 from data.storage import META_FILE, keyed_folder, write_prepared
 
@@ -227,3 +228,18 @@ def ensure_synthetic(config: SyntheticConfig, root: str | Path) -> Path:
         source="synthetic", config=config.cache_key(),
     )  # fmt: skip
     return folder
+
+
+def synthetic_config(args: DataArgs) -> SyntheticConfig:
+    return SyntheticConfig(
+        num_train=args.num_train, num_val=args.num_val, num_dense=args.num_dense, num_categorical=args.num_categorical,
+        vocab_size=args.vocab_size, num_items=args.num_items, max_history_len=args.max_history_len, seed=args.seed,
+    )
+
+
+DATASET = DatasetSpec(
+    schema=lambda args: synthetic_schema(synthetic_config(args)),
+    folder=lambda args: synthetic_folder(synthetic_config(args), args.data_dir),
+    prepare=lambda args: ensure_synthetic(synthetic_config(args), args.data_dir),
+    generated=True,
+)

@@ -1,21 +1,26 @@
 """Block attention over jagged sequences: one API, several backends (see dispatch.py)."""
 
-from .blocks import BLOCK_SIZE, block_cu_seqlens, block_table, offsets_from_lengths
+from .blocks import BLOCK_SIZE, BlockTable, block_cu_seqlens, block_table, offsets_from_lengths
 from .dispatch import (
+    AUTO_ORDER,
     BACKENDS,
     BackendUnavailableError,
     available_backends,
     backend_unavailable_reason,
     block_attention,
     check_backend,
+    get_backend,
+    validate_offsets,
 )
 from .reference import block_attention_reference
 from .rotary import Rotary, apply_rotary, rotary_tables
 
 __all__ = [
+    "AUTO_ORDER",
     "BACKENDS",
     "BLOCK_SIZE",
     "BackendUnavailableError",
+    "BlockTable",
     "Rotary",
     "apply_rotary",
     "available_backends",
@@ -25,6 +30,8 @@ __all__ = [
     "block_cu_seqlens",
     "block_table",
     "check_backend",
+    "get_backend",
     "offsets_from_lengths",
     "rotary_tables",
+    "validate_offsets",
 ]

@@ -8,6 +8,7 @@ sequences and only a sequence's last block can be partial. Blocks tile the token
 import contextlib
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
@@ -35,19 +36,16 @@ def _blocks_through_seq(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.cumsum(blocks_per_seq, 0, dtype=offsets.dtype)
 
 
-def block_table(
-    offsets: torch.Tensor, total_tokens: int | None = None, block_size: int = BLOCK_SIZE
+def block_table_torch(
+    offsets: torch.Tensor, total_tokens: int, block_size: int = BLOCK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (block_start, block_len), int32 [max_num_blocks], one row per block in token order.
 
     The table has a fixed size computed from shapes alone, so building it never waits for the
     device: the real blocks come first and the unused rows after them have block_len 0 and
     block_start total_tokens. Kernels skip (or mask away) zero-length blocks. Empty sequences own
-    no block. Pass `total_tokens` (q.shape[0]) to avoid reading offsets[-1] back to the host.
-    This is the portable build (any device, and the oracle of block_table_triton).
+    no block. This is the portable build (any device, and the oracle of block_table_triton).
     """
-    if total_tokens is None:
-        total_tokens = int(offsets[-1])
     offsets = offsets.to(torch.int64)
     batch_size = offsets.numel() - 1
     blocks_through_seq = _blocks_through_seq(offsets, block_size)
@@ -133,7 +131,7 @@ def _check_offsets(offsets: torch.Tensor) -> None:
 
 @torch.library.custom_op("block_attention::block_table", mutates_args=())
 def block_table_triton(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block_start, block_len, num_blocks) exactly as counted_block_table builds them, from a
+    """(block_start, block_len, num_blocks) exactly as block_table builds them, from a
     prefix sum and one Triton kernel. num_blocks is an int64 0-dim device tensor. Runs on CUDA
     tensors, or on CPU tensors when Triton's interpreter (TRITON_INTERPRET=1) is on."""
     import triton
@@ -176,21 +174,48 @@ def _(offsets, total_tokens):
     )
 
 
-def counted_block_table(
-    offsets: torch.Tensor, total_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block_start, block_len, num_blocks): the fixed-size table plus, as an int64 device scalar,
-    how many of its rows are real, so persistent kernels stop at the real blocks without a host read."""
+@dataclass(frozen=True)
+class BlockTable:
+    """The 64-token blocks of one jagged batch: built once per batch by `block_table` and passed to
+    every `block_attention` call on that batch (each layer, forward and backward), so no call
+    rebuilds it. Tensors live on the batch's device; nothing in it needs a host read.
+
+    block_start, block_len: int32 [max_num_blocks(total_tokens, B)], real blocks first, then unused
+    rows (length 0). num_blocks: int64 0-dim, how many rows are real, for kernels to stop at.
+    """
+
+    offsets: torch.Tensor  # int32 [B+1]
+    total_tokens: int
+    block_start: torch.Tensor
+    block_len: torch.Tensor
+    num_blocks: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.offsets.device
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_start, block_len, num_blocks): what kernel ops take."""
+        return self.block_start, self.block_len, self.num_blocks
+
+
+def block_table(offsets: torch.Tensor, total_tokens: int | None = None) -> BlockTable:
+    """The BlockTable of `offsets` (int32 [B+1]). Pass `total_tokens` (q.shape[0]) so nothing reads
+    offsets[-1] back to the host. On CUDA it is one prefix sum and one Triton kernel; elsewhere torch ops.
+    The offsets are trusted here: kernels.block_attention checks them (check_offsets)."""
+    if total_tokens is None:
+        total_tokens = int(offsets[-1])
+    offsets = offsets.to(torch.int32)
     if offsets.device.type == "cuda" and _HAS_TRITON:
-        return block_table_triton(offsets, total_tokens)
-    block_start, block_len = block_table(offsets, total_tokens)
-    return block_start, block_len, torch.count_nonzero(block_len)
+        block_start, block_len, num_blocks = block_table_triton(offsets, total_tokens)
+    else:
+        block_start, block_len = block_table_torch(offsets, total_tokens)
+        num_blocks = torch.count_nonzero(block_len)
+    return BlockTable(offsets, total_tokens, block_start, block_len, num_blocks)
 
 
-def block_cu_seqlens(offsets: torch.Tensor, total_tokens: int | None = None) -> torch.Tensor:
+def block_cu_seqlens(block_start: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """Offsets of the blocks themselves (int32 [max_num_blocks + 1]): each block as its own
     sequence, which is how varlen kernels such as FlashAttention-2 express block-diagonal
-    attention. The unused rows of the block table become empty sequences at the end."""
-    total = int(offsets[-1]) if total_tokens is None else total_tokens
-    block_start = counted_block_table(offsets, total)[0]
-    return torch.cat([block_start, block_start.new_full((1,), total)])
+    attention. `block_start` is a BlockTable's; its unused rows become empty sequences at the end."""
+    return torch.cat([block_start, block_start.new_full((1,), total_tokens)])

@@ -1,125 +1,66 @@
 """One entry point, `block_attention`, that validates inputs once and routes by backend name.
 
-Adding a backend is one kernel file plus one `_BACKENDS` entry. Kernel modules are imported
-lazily, so importing `kernels` never touches a GPU driver or needs Triton/TLX to be installed.
+Each backend is one module exporting `BACKEND` (kernels.backend.Backend); adding one is a module
+plus one `BACKEND_MODULES` line. Modules are imported on first use, so importing `kernels` never
+touches a GPU driver or needs Triton/TLX to be installed.
 """
 
 import importlib
-import sys
 import warnings
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from .rotary import Rotary, rotary_tables
+from .backend import Backend, launch_json
+from .blocks import BlockTable, block_table
+from .rotary import Rotary, apply_rotary, rotary_tables
 
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run on this machine (missing device, driver or package)."""
 
 
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    module: str  # kernels.<module>, imported on first use
-    function: str  # the backend's public function in that module
-    unsupported_reason: str  # a function (q) -> str | None in that module; None means "any input"
-    how_to_get: str
-    needs: Callable[[torch.device], str | None]  # why this device/stack can't run it, or None
-
-    def load(self, attribute: str):
-        # torch.compile cannot trace import_module; once check_backend has imported the module
-        # (outside any compiled region), the sys.modules lookup is all that runs under compile.
-        name = f"kernels.{self.module}"
-        module = sys.modules.get(name) or importlib.import_module(name)
-        return getattr(module, attribute)
-
-
-def _needs_nothing(device: torch.device) -> str | None:
-    return None
-
-
-def _needs_cuda(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"it needs a CUDA GPU and the tensors are on {device.type}"
-    return None
-
-
-def _needs_triton_gpu(device: torch.device) -> str | None:
-    import os
-
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return None  # the Triton interpreter runs the same kernels on CPU tensors, for tests
-    reason = _needs_cuda(device)
-    if reason:
-        return reason + " (or TRITON_INTERPRET=1 for the slow CPU interpreter)"
-    if importlib.util.find_spec("triton") is None:
-        return "the `triton` package is not installed"
-    return None
-
-
-def _needs_tlx_hopper(device: torch.device) -> str | None:
-    reason = _needs_cuda(device)
-    if reason:
-        return reason + " (an sm_90 Hopper GPU such as the H100/H200)"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"it needs an sm_90 Hopper GPU and {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
-    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.language.extra.tlx") is None:
-        return "TLX (triton.language.extra.tlx) is not installed"
-    return None
-
-
-_BACKENDS = {
-    "reference": Backend(
-        "reference", "reference", "block_attention_reference", "", "it is pure PyTorch and always available", _needs_nothing
-    ),
-    "fa2": Backend(
-        "fa2", "fa2", "block_attention_fa2", "fa2_unsupported_reason",
-        "run on an NVIDIA GPU with a CUDA build of PyTorch (optionally `pip install flash-attn`)", _needs_cuda,
-    ),
-    "triton": Backend(
-        "triton", "triton_block_attention", "block_attention_triton", "triton_unsupported_reason",
-        "run on a GPU Triton supports with `pip install triton`, or set TRITON_INTERPRET=1 on CPU", _needs_triton_gpu,
-    ),
-    "tlx": Backend(
-        "tlx", "tlx_block_attention", "block_attention_tlx", "tlx_unsupported_reason",
-        "run on an sm_90 GPU (H100/H200) with TLX: `pip uninstall -y triton && pip install fbtriton==3.7.4`, "
-        "or `pip install triton-utlx==3.8.0.post16` with Triton 3.8 / torch 2.14",
-        _needs_tlx_hopper,
-    ),
+BACKEND_MODULES = {
+    "reference": "kernels.reference",
+    "fa2": "kernels.fa2",
+    "triton": "kernels.triton_block_attention",
+    "tlx": "kernels.tlx_block_attention",
 }
-BACKENDS = ("auto", *_BACKENDS)
-# Fastest first; `auto` takes the first that can run the given inputs.
-_AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
-# Measured on an H200 (benchmarks/results/attention_h200.md): at head_dim 64 the TLX kernels' device
-# time beats the Triton ones' with rotary (fwd+bwd 0.944 vs 1.060 ms replayed from a CUDA graph at
-# 2048x256x4x64) and ties them without, but an eager TLX call costs the host about 0.3 ms more
-# (host_profile_stages_h200.log), so eager, as the model trains, Triton is faster there (fwd+bwd
-# with rotary 1.161 vs 1.326 ms); `auto` prefers it below head_dim 128. At head_dim 128 TLX is
-# faster either way (fwd+bwd with rotary 1.769 vs 2.700 ms eager).
-_AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
+BACKENDS = ("auto", *BACKEND_MODULES)
+# What `auto` tries, fastest first, on a GPU; on a CPU it takes the reference alone (the Triton
+# interpreter is for tests and runs only when asked for by name). Measured on an H200
+# (benchmarks/results/attention_h200.md): the TLX kernels' device time beats or ties the Triton
+# ones' at every shape, and with the block table built once per batch and passed in, an eager
+# TLX call's host cost no longer decides the order.
+AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
+
+_loaded: dict[str, Backend] = {}
 
 
-def _auto_candidates(device: torch.device, head_dim: int) -> tuple[str, ...]:
-    """What `auto` may pick, in order. On CPU that is the reference alone: the Triton interpreter
-    is for tests and runs only when asked for by name."""
-    if device.type == "cpu":
-        return ("reference",)
-    return _AUTO_ORDER if head_dim >= 128 else _AUTO_ORDER_SMALL_HEAD_DIM
+def get_backend(name: str) -> Backend:
+    """The Backend object of `name`, importing its module on first use."""
+    if name not in BACKEND_MODULES:
+        raise ValueError(f"unknown block_attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name not in _loaded:
+        _loaded[name] = importlib.import_module(BACKEND_MODULES[name]).BACKEND
+    return _loaded[name]
 
 
 def backend_unavailable_reason(name: str, device: torch.device | str) -> str | None:
     """Why backend `name` cannot run on `device` at all, or None if it can."""
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown block_attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return _BACKENDS[name].needs(torch.device(device))
+    try:
+        backend = get_backend(name)
+    except ImportError as error:  # e.g. the Triton backend where the `triton` package is missing
+        return f"its module {BACKEND_MODULES[name]} cannot be imported ({error})"
+    return backend.unavailable_reason(torch.device(device))
 
 
 def available_backends(device: torch.device | str) -> list[str]:
     """The backends that can run on `device` here, fastest first."""
-    return [name for name in _AUTO_ORDER if backend_unavailable_reason(name, device) is None]
+    return [name for name in AUTO_ORDER if backend_unavailable_reason(name, device) is None]
+
+
+def _auto_candidates(device: torch.device) -> tuple[str, ...]:
+    return ("reference",) if device.type == "cpu" else AUTO_ORDER
 
 
 def check_backend(name: str, device: torch.device | str) -> None:
@@ -127,22 +68,16 @@ def check_backend(name: str, device: torch.device | str) -> None:
     Also imports the backend(s) it may use, so that no import happens inside a compiled region."""
     device = torch.device(device)
     if name == "auto":
-        names = [c for c in _auto_candidates(device, 128) if backend_unavailable_reason(c, device) is None]
-    else:
-        names = [name]
-        reason = backend_unavailable_reason(name, device)
-        if reason is not None:
-            raise BackendUnavailableError(
-                f"block_attention backend {name!r} cannot run here: {reason}. "
-                f"To get it: {_BACKENDS[name].how_to_get}. "
-                f"Backends that can run on {device.type}: {', '.join(available_backends(device))}."
-            )
-    for candidate in names:
-        _BACKENDS[candidate].load(_BACKENDS[candidate].function)
-
-
-def _unsupported_reason(backend: Backend, q: torch.Tensor) -> str | None:
-    return backend.load(backend.unsupported_reason)(q) if backend.unsupported_reason else None
+        for candidate in _auto_candidates(device):
+            backend_unavailable_reason(candidate, device)
+        return
+    reason = backend_unavailable_reason(name, device)
+    if reason is not None:
+        how_to_get = get_backend(name).how_to_get if name in _loaded else f"make {BACKEND_MODULES[name]} importable"
+        raise BackendUnavailableError(
+            f"block_attention backend {name!r} cannot run here: {reason}. To get it: {how_to_get}. "
+            f"Backends that can run on {device.type}: {', '.join(available_backends(device))}."
+        )
 
 
 _warned_fallbacks: set[tuple[str, str]] = set()
@@ -151,28 +86,28 @@ _warned_fallbacks: set[tuple[str, str]] = set()
 def _resolve(name: str, q: torch.Tensor) -> Backend:
     if name != "auto":
         check_backend(name, q.device)
-        backend = _BACKENDS[name]
-        reason = _unsupported_reason(backend, q)
+        backend = get_backend(name)
+        reason = backend.unsupported_reason(q)
         if reason is not None:
             raise ValueError(f"block_attention backend {name!r} does not support {reason}")
         return backend
     skipped = []
-    for candidate in _auto_candidates(q.device, q.shape[-1]):
-        backend = _BACKENDS[candidate]
-        reason = backend.needs(q.device)
+    for candidate in _auto_candidates(q.device):
+        if backend_unavailable_reason(candidate, q.device) is not None:
+            continue  # a missing GPU or package is expected, not worth a warning
+        backend = get_backend(candidate)
+        reason = backend.unsupported_reason(q)
         if reason is None:
-            reason = _unsupported_reason(backend, q)
-            if reason is None:
-                break
-            skipped.append(f"{candidate}: {reason}")
+            break
+        skipped.append(f"{candidate}: {reason}")
     if skipped and (candidate, skipped[0]) not in _warned_fallbacks:
-        # Only an input the faster backend rejects is worth a warning; a missing GPU is expected.
+        # Only an input the faster backend rejects is worth a warning.
         _warned_fallbacks.add((candidate, skipped[0]))
         warnings.warn(f"block_attention auto: using {candidate!r}; skipped {'; '.join(skipped)}", stacklevel=3)
     return backend
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, check_offsets: bool) -> None:
+def _validate_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, heads, head_dim), got shape {tuple(x.shape)}")
@@ -180,23 +115,27 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
             raise ValueError(f"{name} has shape {tuple(x.shape)}, q has {tuple(q.shape)}")
         if x.dtype != q.dtype:
             raise ValueError(f"{name} is {x.dtype} and q is {q.dtype}; q, k and v must share a dtype")
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} and q is on {q.device}; q, k, v and offsets must share a device")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} and offsets on {device}; q, k, v and offsets must share a device")
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if x.shape[-1] > 0 and x.stride(-1) != 1:
             raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got strides {x.stride()}")
+
+
+def validate_offsets(offsets: torch.Tensor, total_tokens: int, read_values: bool = True) -> None:
+    """Raises ValueError naming the problem unless offsets is int32/int64 [B+1], starts at 0, never
+    decreases and ends at total_tokens. The value checks read offsets back to the host once
+    (`read_values=False`, or tracing under torch.compile, skips them)."""
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"offsets must be 1-D [batch_size + 1], got shape {tuple(offsets.shape)}")
     if offsets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets must be int32 (int64 is accepted), got {offsets.dtype}")
-    if offsets.device != q.device:
-        raise ValueError(f"offsets is on {offsets.device} and q is on {q.device}")
-    if not check_offsets or torch.compiler.is_compiling():
-        return  # value checks force a host sync (and a graph break inside compiled models)
+    if not read_values or torch.compiler.is_compiling():
+        return
     # One host read for the common, valid case; the details are gathered only to report an error.
     steps = offsets[1:] - offsets[:-1]
-    bad = (offsets[0] != 0) | (offsets[-1] != q.shape[0]) | (steps < 0).any()
+    bad = (offsets[0] != 0) | (offsets[-1] != total_tokens) | (steps < 0).any()
     if not bool(bad):
         return
     first, last = int(offsets[0]), int(offsets[-1])
@@ -205,37 +144,59 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.
     if bool((steps < 0).any()):
         i = int(torch.nonzero(steps < 0)[0])
         raise ValueError(f"offsets must not decrease: offsets[{i}] = {int(offsets[i])} > offsets[{i + 1}] = {int(offsets[i + 1])}")
-    raise ValueError(f"offsets[-1] = {last} must equal total_tokens = {q.shape[0]}")
+    raise ValueError(f"offsets[-1] = {last} must equal total_tokens = {total_tokens}")
 
 
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
+    offsets: torch.Tensor | BlockTable,
     *,
     rotary: Rotary | None = None,
     backend: str = "auto",
     check_offsets: bool = True,
+    launch: dict | None = None,
 ) -> torch.Tensor:
     """Self-attention restricted to 64-token blocks of jagged sequences.
 
-    q, k, v: (total_tokens, heads, head_dim); offsets: int32 [B+1] cumulative sequence lengths.
+    q, k, v: (total_tokens, heads, head_dim). offsets: int32 [B+1] cumulative sequence lengths, or
+    the batch's BlockTable from `kernels.block_table(offsets, total_tokens)`, which a model builds
+    once per batch and passes to every layer so no call rebuilds it.
     Each sequence is cut into 64-token blocks from its start (the last may be partial); a token
     attends, unmasked, to every token of its own block and to no other, with scale 1/sqrt(head_dim).
-    `rotary` rotates q and k (and v if `rotate_v`) first. Returns (total_tokens, heads, head_dim).
+    `rotary` rotates q and k (and v if `rotate_v`) first; give it precomputed `cos`/`sin` to build
+    those tables once per batch too. Returns (total_tokens, heads, head_dim).
     `check_offsets` reads offsets back once to reject bad values; code that builds offsets itself
     (the model, from its own lengths) turns it off so no call waits on the device.
+    `launch` overrides a kernel backend's launch settings ({"fwd": {...}, "bwd": {...}}), for
+    tuning sweeps; None runs the production settings.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown block_attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    _validate(q, k, v, offsets, check_offsets)
-    offsets = offsets.to(torch.int32)
+    if launch and backend == "auto":
+        raise ValueError("launch overrides need a named backend, not 'auto'")
+    table = offsets if isinstance(offsets, BlockTable) else None
+    if table is not None and table.total_tokens != q.shape[0]:
+        raise ValueError(f"the BlockTable covers {table.total_tokens} tokens and q has {q.shape[0]}")
+    device = table.device if table is not None else offsets.device
+    _validate_tensors(q, k, v, device)
+    if table is None:
+        validate_offsets(offsets, q.shape[0], read_values=check_offsets)
     chosen = _resolve(backend, q)
+    launch = launch_json(launch)
+    if table is None:
+        table = block_table(offsets, q.shape[0])
     cos = sin = None
+    rotate_v = rotary is not None and rotary.rotate_v
     if rotary is not None:
-        cos, sin = rotary_tables(rotary, offsets, q.shape[0], q.shape[-1])
+        cos, sin = rotary_tables(rotary, table.offsets, q.shape[0], q.shape[-1])
     if q.shape[0] == 0:
         return (q + k + v) * 0  # keeps the autograd graph for empty batches without launching kernels
-    rotate_v = rotary is not None and rotary.rotate_v
-    return chosen.load(chosen.function)(q, k, v, offsets, cos, sin, rotate_v)
+    if cos is not None and not chosen.fuses_rotary:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rotate_v:
+            v = apply_rotary(v, cos, sin)
+        cos = sin = None
+        rotate_v = False
+    return chosen.run(q, k, v, table, cos, sin, rotate_v, launch)

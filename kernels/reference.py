@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from .blocks import BLOCK_SIZE, block_table
+from .backend import Backend, no_unsupported_inputs, refuse_launch
+from .blocks import BLOCK_SIZE, BlockTable, block_table
 from .rotary import apply_rotary
 
 
@@ -16,13 +17,14 @@ def block_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
+    offsets: torch.Tensor | BlockTable,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rotate_v: bool = False,
     upcast: bool = True,
 ) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(D)) v inside each 64-token block, returned in q.dtype.
+    """softmax(q kᵀ / sqrt(D)) v inside each 64-token block, returned in q.dtype. `offsets` is the
+    int32 [B+1] cumulative lengths or the batch's BlockTable.
 
     With `upcast` the math runs in fp32 (fp64 inputs stay fp64); without it, in the input dtype,
     which is the "same-precision PyTorch" yardstick kernel errors are judged against.
@@ -34,27 +36,47 @@ def block_attention_reference(
 def _block_attention_padded(q, k, v, offsets, cos, sin, rotate_v, upcast):
     out_dtype = q.dtype
     compute_dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
+    q, k, v = (x.to(compute_dtype) for x in (q, k, v))
     if cos is not None:
-        q, k = apply_rotary(q.to(compute_dtype), cos, sin), apply_rotary(k.to(compute_dtype), cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if rotate_v:
-            v = apply_rotary(v.to(compute_dtype), cos, sin)
+            v = apply_rotary(v, cos, sin)
     total_tokens, heads, head_dim = q.shape
-    out = torch.empty((total_tokens, heads, head_dim), dtype=compute_dtype, device=q.device)
     if total_tokens == 0:
-        return out.to(out_dtype)
+        return q.new_empty(q.shape, dtype=out_dtype)
 
-    block_start, block_len = block_table(offsets, total_tokens)
-    real = block_len > 0  # the table's unused tail rows own no tokens
-    block_start, block_len = block_start[real], block_len[real]
+    # Every shape below follows from the inputs' shapes alone (no boolean indexing), so the
+    # reference traces under torch.compile without graph breaks, whatever the batch's lengths.
+    table = offsets if isinstance(offsets, BlockTable) else block_table(offsets, total_tokens)
+    block_start, block_len = table.block_start.long(), table.block_len.long()
     lane = torch.arange(BLOCK_SIZE, device=q.device)
-    valid = lane[None, :] < block_len[:, None]  # [num_blocks, 64]
-    # Padded lanes point at the block's first token; their scores are masked and outputs dropped.
-    token = torch.where(valid, block_start[:, None] + lane[None, :], block_start[:, None]).long()
+    valid = lane[None, :] < block_len[:, None]  # [rows, 64]; all False in the table's unused rows
+    # Padded lanes (and unused rows) read token 0; their keys are masked and their outputs never gathered.
+    token = torch.where(valid, block_start[:, None] + lane[None, :], 0)
 
-    q_tiles, k_tiles, v_tiles = (x.to(compute_dtype)[token] for x in (q, k, v))  # [nb, 64, H, D]
+    q_tiles, k_tiles, v_tiles = (x[token] for x in (q, k, v))  # [rows, 64, H, D]
     scores = torch.einsum("bihd,bjhd->bhij", q_tiles, k_tiles) / math.sqrt(head_dim)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    # A finite floor rather than -inf: rows with no valid key (unused table rows) then stay finite.
+    # Where a block has a real key, exp(floor - max) underflows to exactly 0, as -inf would.
+    scores = scores.masked_fill(~valid[:, None, None, :], torch.finfo(compute_dtype).min)
     probs = torch.softmax(scores, dim=-1)
     out_tiles = torch.einsum("bhij,bjhd->bihd", probs, v_tiles)
-    out = out.index_put((token[valid],), out_tiles[valid])
+    # Blocks tile the tokens in order: token t lives in the last row starting at or before it.
+    row = torch.searchsorted(table.block_start, torch.arange(total_tokens, device=q.device, dtype=torch.int32),
+                             right=True) - 1
+    out = out_tiles[row, torch.arange(total_tokens, device=q.device) - block_start[row]]
     return out.to(out_dtype)
+
+
+def _run(q, k, v, table, cos, sin, rotate_v, launch):
+    refuse_launch("reference", launch)
+    return block_attention_reference(q, k, v, table, cos, sin, rotate_v)
+
+
+BACKEND = Backend(
+    name="reference",
+    how_to_get="it is pure PyTorch and always available",
+    unavailable_reason=lambda device: None,
+    unsupported_reason=no_unsupported_inputs,
+    run=_run,
+)

@@ -23,8 +23,8 @@ if HAS_TLX:
 
 
 # Tuning variants benchmarks/sweep_tlx.py times on the GPU: name -> (fwd knobs, bwd knobs), as
-# kernels.tlx_block_attention.tuning_overrides takes them ({} = the production default; a knob
-# value may be a {head_dim: value} dict). Each must compile here, so the sweep never finds out on
+# block_attention(..., backend="tlx", launch={"fwd": fwd, "bwd": bwd}) takes them ({} = the
+# production default; a knob value may be a {head_dim: value} dict). Each must compile here, so the sweep never finds out on
 # the GPU that a variant doesn't build.
 TUNING_VARIANTS: dict[str, tuple[dict, dict]] = {
     "default": ({}, {}),

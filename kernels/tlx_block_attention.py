@@ -26,7 +26,6 @@ Invariants every kernel here relies on:
   rows of dq/dk/dv, so gradients are deterministic.
 """
 
-import contextlib
 import functools
 import itertools
 import math
@@ -49,7 +48,8 @@ except ImportError:  # plain triton (no extra.tlx) or no triton at all
     HAS_TLX = False
     _ROTARY_JOIN_SCRATCH = False
 
-from .blocks import BLOCK_SIZE, counted_block_table
+from .backend import Backend, kernel_ops, launch_overrides
+from .blocks import BLOCK_SIZE
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -60,8 +60,9 @@ SMEM_SLACK = 1024
 # More slots than this stop helping: 8 items in flight per SM already cover HBM latency.
 MAX_STAGES = 8
 
-# Tuning knobs, per direction. Defaults are chosen in tlx_config; `tuning_overrides` replaces
-# them for benchmark sweeps. A value may be an int/bool or a {head_dim: value} dict.
+# Tuning knobs, per direction. Defaults are chosen in tlx_config; a sweep overrides them through
+# block_attention(..., launch={"fwd": {...}, "bwd": {...}}). A value may be an int/bool or a
+# {head_dim: value} dict.
 FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "O_TMA_STORE")
 BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "SHARED_T_TILE")
 # Layout knobs tlx_config picks by ring depth when not given: the deepest ring up to
@@ -79,25 +80,6 @@ ENOUGH_SLOTS_PER_CONSUMER = 2
 # D=128 fwd ran 4% faster with one consumer on the H200 (0.509 vs 0.532 ms at 1024x512x4x128,
 # sweep_tlx_d128_h200.log), while one consumer was 6% slower with rotary and 23% slower at D=64.
 _CONSUMER_ORDER = {("fwd", 128, False): (1, 2)}
-_OVERRIDES: dict[str, dict] = {"fwd": {}, "bwd": {}}
-
-
-@contextlib.contextmanager
-def tuning_overrides(fwd: dict | None = None, bwd: dict | None = None):
-    """Launch with other knob values (FWD_KNOBS / BWD_KNOBS) inside the block; for sweeps."""
-    for direction, knobs, allowed in (("fwd", fwd, FWD_KNOBS), ("bwd", bwd, BWD_KNOBS)):
-        unknown = set(knobs or ()) - set(allowed)
-        if unknown:
-            raise ValueError(f"unknown {direction} tuning knobs {sorted(unknown)}; choose from {allowed}")
-    saved = {k: dict(v) for k, v in _OVERRIDES.items()}
-    _OVERRIDES["fwd"] = dict(fwd or {})
-    _OVERRIDES["bwd"] = dict(bwd or {})
-    try:
-        yield
-    finally:
-        _OVERRIDES.update(saved)
-
-
 def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM_CONSUMERS: int,
                O_TMA_STORE: bool = False, SHARED_T_TILE: bool = False, elem_size: int = 2) -> int:
     """Shared memory of one program: the ring plus per-consumer tiles and compiler scratch.
@@ -132,16 +114,18 @@ def _resolve_knob(value, head_dim: int):
 
 
 def tlx_config(head_dim: int, rotary: bool, backward: bool, overrides: dict | None = None) -> dict:
-    """Constexpr knobs of one kernel shape: the overrides (default: the active tuning_overrides)
-    on top of the defaults.
+    """Constexpr knobs of one kernel shape: the overrides (FWD_KNOBS / BWD_KNOBS) on top of the defaults.
 
     Defaults: two consumer warpgroups (one's softmax runs while the other's wgmma does) where two
     fit, else one; the layout knobs of _DEPTH_CHOSEN by ring depth; NUM_STAGES as deep as fits in
     227 KiB, as a multiple of NUM_CONSUMERS, at most MAX_STAGES.
     """
     direction = "bwd" if backward else "fwd"
-    if overrides is None:
-        overrides = _OVERRIDES[direction]
+    overrides = overrides or {}
+    allowed = BWD_KNOBS if backward else FWD_KNOBS
+    unknown = set(overrides) - set(allowed)
+    if unknown:
+        raise ValueError(f"unknown TLX {direction} tuning knobs {sorted(unknown)}; choose from {allowed}")
     knobs = tuple(sorted((k, _resolve_knob(v, head_dim)) for k, v in overrides.items()))
     # A copy: callers may add to it.
     return dict(_cached_config(head_dim, rotary, backward, knobs))
@@ -458,24 +442,23 @@ if HAS_TLX:
 # ----------------------------------------------------------------------------------------------
 
 
-def tlx_unsupported_reason(q: torch.Tensor, cos: torch.Tensor | None = None) -> str | None:
-    """Why the TLX backend can't run this case, or None if it can."""
-    if not HAS_TLX:
-        return (
-            "TLX is not installed: `pip uninstall -y triton && pip install fbtriton==3.7.4` "
-            "(or `pip install triton-utlx` on Triton 3.8)"
-        )
-    if q.device.type != "cuda":
-        return f"device {q.device} (TLX kernels need a CUDA sm_90 GPU)"
-    major, minor = torch.cuda.get_device_capability(q.device)
+def tlx_unavailable_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"it needs a CUDA GPU, an sm_90 Hopper (H100/H200), and the tensors are on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
-        return f"compute capability sm_{major}{minor} (the TLX kernels are written for Hopper sm_90)"
+        return f"it needs an sm_90 Hopper GPU and {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
+    if not HAS_TLX:
+        return "TLX (triton.language.extra.tlx) is not installed"
+    return None
+
+
+def tlx_unsupported_reason(q: torch.Tensor) -> str | None:
+    """Why the TLX backend can't take inputs like q [T, H, D] on an sm_90 GPU, or None if it can."""
     if q.dim() != 3 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {q.shape[-1]} (TLX kernels take {SUPPORTED_HEAD_DIMS})"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"dtype {q.dtype} (TLX kernels take float16 or bfloat16)"
-    if cos is not None and cos.dtype != torch.float32:
-        return f"rotary table dtype {cos.dtype} (TLX kernels take float32 cos/sin)"
     return None
 
 
@@ -489,23 +472,20 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
-def _tma_ready(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """Contiguous, 16-byte aligned, and at least one block tall (a TMA box may not exceed the
-    tensor it tiles; padded rows are zeros and never stored back). A no-op for the usual input."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if x.data_ptr() % 16:
-        x = x.clone()
-    if x.shape[0] < rows:
-        x = torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
-    return x
-
-
 def _tma_desc(x: torch.Tensor, block_cols: int):
-    """TMA descriptor of [64, block_cols] boxes over x viewed as 2-D [T, -1] (made _tma_ready)."""
-    x = _tma_ready(x, BLOCK_SIZE)
-    x2 = x.view(x.shape[0], -1)
-    return TensorDescriptor(x2, shape=list(x2.shape), strides=[x2.shape[1], 1], block_shape=[BLOCK_SIZE, block_cols])
+    """TMA descriptor of [64, block_cols] boxes over x [T, ...] viewed as 2-D [T, row]. Rows may be
+    strided, as q, k and v are when they are views of one packed qkv projection, so those take no
+    copy; TMA needs each row's elements contiguous, a 16-byte aligned base and row pitch, and at
+    least one block of rows (a box may not exceed the tensor it tiles). Anything else is copied
+    (padding rows are zeros and never stored back)."""
+    row = x[0].numel() if x.shape[0] else math.prod(x.shape[1:])
+    rows_contiguous = x.shape[0] == 0 or x[0].is_contiguous()
+    pitch_bytes = x.stride(0) * x.element_size()
+    if not rows_contiguous or pitch_bytes % 16 or x.data_ptr() % 16 or x.shape[0] < BLOCK_SIZE:
+        x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
+        if x.shape[0] < BLOCK_SIZE:
+            x = torch.cat([x, x.new_zeros((BLOCK_SIZE - x.shape[0], *x.shape[1:]))])
+    return TensorDescriptor(x, shape=[x.shape[0], row], strides=[x.stride(0), 1], block_shape=[BLOCK_SIZE, block_cols])
 
 
 def _rotary_descs(cos, sin):
@@ -519,28 +499,13 @@ def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
     return (max(1, min(_num_sms(q.device), block_start.numel() * q.shape[1])),)
 
 
-def _check_inputs(q, k, v, offsets, cos, sin):
-    # Metadata only, so torch.compile traces it; the device query runs inside the op.
-    if k.shape != q.shape or v.shape != q.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError("q, k, v must share shape [T, H, D] and dtype")
-    if offsets.dtype != torch.int32 or offsets.device != q.device:
-        raise ValueError("offsets must be int32 on the inputs' device")
-    if (cos is None) != (sin is None):
-        raise ValueError("pass both cos and sin, or neither")
-    if cos is not None and tuple(cos.shape) != (q.shape[0], q.shape[2] // 2):
-        raise ValueError(f"cos/sin must be [T, D/2] = {(q.shape[0], q.shape[2] // 2)}, got {tuple(cos.shape)}")
-
-
-def _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
-    reason = tlx_unsupported_reason(q, cos)
-    if reason is not None:
-        raise RuntimeError(f"block_attention_tlx cannot run: {reason}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
-        return out
+        return [out]
     T, H, D = q.shape
     rotary = cos is not None
-    cfg = tlx_config(D, rotary, backward=False)
+    cfg = tlx_config(D, rotary, backward=False, overrides=launch_overrides(launch, "fwd"))
     with torch.cuda.device(q.device):
         # O's descriptor tiles the (padded, if T < 64) output; only full blocks are TMA-stored,
         # and those lie inside [0, T), so the padding is never written.
@@ -550,18 +515,16 @@ def _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rot
             H, H * D, 1.0 / math.sqrt(D),
             HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
         )
-    return out
+    return [out]
 
 
-def _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out):
+    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
     if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
         return dq, dk, dv
     T, H, D = q.shape
     rotary = cos is not None
-    cfg = tlx_config(D, rotary, backward=True)
+    cfg = tlx_config(D, rotary, backward=True, overrides=launch_overrides(launch, "bwd"))
     if grad_out.dtype != q.dtype:
         grad_out = grad_out.to(q.dtype)
     with torch.cuda.device(q.device):
@@ -574,69 +537,15 @@ def _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, co
     return dq, dk, dv
 
 
-# The block table is built once, outside the ops, and saved for the backward: the ops take it
-# as input rather than offsets, so the backward never rebuilds it.
-@torch.library.custom_op("block_attention::tlx_fwd", mutates_args=())
-def _tlx_fwd_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_start: torch.Tensor,
-    block_len: torch.Tensor,
-    num_blocks: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    rotate_v: bool,
-) -> torch.Tensor:
-    return _tlx_forward_impl(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v)
+# The block table comes in built (once per batch), and is saved for the backward by the op's
+# autograd, so the backward never rebuilds it.
+_run_ops = kernel_ops("tlx", _forward, _backward)
 
-
-@_tlx_fwd_op.register_fake
-def _(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("block_attention::tlx_bwd", mutates_args=())
-def _tlx_bwd_op(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_start: torch.Tensor,
-    block_len: torch.Tensor,
-    num_blocks: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    rotate_v: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _tlx_backward_impl(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v)
-
-
-@_tlx_bwd_op.register_fake
-def _(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v = inputs
-    ctx.save_for_backward(q, k, v, block_start, block_len, num_blocks, cos, sin)
-    ctx.rotate_v = rotate_v
-
-
-def _backward(ctx, grad_out):
-    q, k, v, block_start, block_len, num_blocks, cos, sin = ctx.saved_tensors
-    dq, dk, dv = _tlx_bwd_op(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, ctx.rotate_v)
-    # No gradient for the block table or the rotary tables (position functions, not parameters).
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_tlx_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def block_attention_tlx(q, k, v, offsets, cos=None, sin=None, rotate_v=False):
-    """Block attention (64-token blocks, non-causal, scale 1/sqrt(D)) with fused interleaved rotary
-    on q, k (and v when rotate_v; the output is then not un-rotated). Hopper + TLX only."""
-    _check_inputs(q, k, v, offsets, cos, sin)
-    block_start, block_len, num_blocks = counted_block_table(offsets, q.shape[0])
-    return _tlx_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), block_start, block_len, num_blocks,
-                       cos, sin, bool(rotate_v))
+BACKEND = Backend(
+    name="tlx",
+    how_to_get="run on an sm_90 GPU (H100/H200) with TLX: `pip uninstall -y triton && pip install fbtriton==3.7.4`, "
+    "or `pip install triton-utlx==3.8.0.post16` with Triton 3.8 / torch 2.14",
+    unavailable_reason=tlx_unavailable_reason,
+    unsupported_reason=tlx_unsupported_reason,
+    run=_run_ops,
+)

@@ -27,7 +27,7 @@ from torchrec import (
 
 from data.batch import Batch
 from data.schema import FeatureSchema
-from kernels import BACKENDS, Rotary, block_attention, rotary_tables
+from kernels import BACKENDS, BlockTable, Rotary, block_attention, block_table, rotary_tables
 
 
 @dataclass
@@ -45,6 +45,13 @@ class RankingModelConfig:
         rotary_within_block: rotary positions restart at every 64-token block.
         rotate_v: rotate v as well as q and k.
         attn_backend: block_attention backend: auto, reference, fa2, triton or tlx.
+        compile: torch.compile the token-interaction stack (attention layers, norm, pooling, head);
+            the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
+        compile_mode: torch.compile's mode; "reduce-overhead" also replays the stack from CUDA graphs,
+            which wants few distinct token counts: set pad_tokens_to.
+        pad_tokens_to: round each batch's token count up to a multiple of this (0: no padding), with
+            the pad tokens as one extra sequence that no real token attends to and pooling ignores,
+            so a compiled stack sees a few shapes instead of one per batch.
     """
 
     d_model: int = 64
@@ -57,6 +64,9 @@ class RankingModelConfig:
     rotary_within_block: bool = False
     rotate_v: bool = False
     attn_backend: str = "auto"
+    compile: bool = False
+    compile_mode: str = "default"
+    pad_tokens_to: int = 0
 
     def __post_init__(self):
         if self.attn_backend not in BACKENDS:
@@ -68,6 +78,11 @@ class RankingModelConfig:
         for name in ("num_layers", "mlp_ratio", "embedding_dim", "n_dense_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.pad_tokens_to < 0:
+            raise ValueError(f"pad_tokens_to={self.pad_tokens_to} must be >= 0 (0: no padding)")
+        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        if self.compile_mode not in modes:
+            raise ValueError(f"compile_mode={self.compile_mode!r} is not one of {modes}")
 
     @property
     def head_dim(self) -> int:
@@ -103,14 +118,47 @@ class AttentionLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.d_model)
         self.mlp = mlp(config.d_model, config.mlp_ratio * config.d_model, config.d_model)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, table: BlockTable, rotary: Rotary) -> torch.Tensor:
         num_tokens, d_model = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(num_tokens, 3, self.num_heads, self.head_dim)
+        # Views of one projection: the kernels read them in place (shared strides), no copies.
         q, k, v = qkv.unbind(dim=1)
-        # offsets come from the batch's own lengths, valid by construction: no host read per layer
-        attn = block_attention(q, k, v, offsets, rotary=rotary, backend=self.attn_backend, check_offsets=False)
+        # The table and rotary tables are built once per batch (TokenInteraction.forward).
+        attn = block_attention(q, k, v, table, rotary=rotary, backend=self.attn_backend)
         x = x + self.out_proj(attn.reshape(num_tokens, d_model))
         return x + self.mlp(self.mlp_norm(x))
+
+
+class TokenInteraction(nn.Module):
+    """The dense, token-parallel part of the model: attention layers over the jagged tokens, final
+    norm, mean pooling per sample and the logit head. It takes plain tensors, so torch.compile
+    sees one graph whatever the batch (RankingModelConfig.compile)."""
+
+    def __init__(self, config: RankingModelConfig):
+        super().__init__()
+        self.config = config
+        self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
+        self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(config.d_model)
+        self.head = mlp(config.d_model, config.mlp_ratio * config.d_model, 1)
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, sample_ids: torch.Tensor,
+                lengths: torch.Tensor) -> torch.Tensor:
+        """values (T, d_model), int32 offsets [B+1], sample_ids int64 (T,), lengths int64 [B] -> logits [B]."""
+        # Every layer attends within the same blocks and rotates by the same positions: build the
+        # block table and cos/sin tables once per batch, not once per layer.
+        table = block_table(offsets, values.shape[0])
+        cos, sin = rotary_tables(self.rotary, offsets, values.shape[0], self.config.head_dim)
+        rotary = Rotary(rotate_v=self.config.rotate_v, cos=cos, sin=sin)
+        x = values
+        for layer in self.layers:
+            x = layer(x, table, rotary)
+        x = self.final_norm(x)
+        # Mean over each sample's tokens; every sample has >= n_fixed >= 1 tokens (a pad sequence,
+        # which may be empty, is divided by at least 1 and dropped by the caller).
+        summed = x.new_zeros(lengths.shape[0], x.shape[1]).index_add(0, sample_ids, x)
+        pooled = summed / lengths.clamp(min=1)[:, None].to(x.dtype)
+        return self.head(pooled).squeeze(-1)
 
 
 class RankingModel(nn.Module):
@@ -143,10 +191,11 @@ class RankingModel(nn.Module):
         # One learned vector per token slot (each dense token, each categorical
         # feature, each sequence feature) so attention can tell the features apart.
         self.slot_embedding = nn.Embedding(self.num_fixed_tokens + len(schema.sequence), d)
-        self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
-        self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
-        self.final_norm = nn.LayerNorm(d)
-        self.head = mlp(d, config.mlp_ratio * d, 1)
+        self.interaction = TokenInteraction(config)
+        if config.compile:
+            # In place, so the state dict keeps its keys; the first batch compiles, later token
+            # counts reuse the graph (dynamic shapes) or, under CUDA graphs, one recording per size.
+            self.interaction.compile(mode=config.compile_mode, dynamic=True)
 
     def build_tokens(self, batch: Batch) -> JaggedTokens:
         """Embed every feature and lay the tokens out as one jagged sequence per sample."""
@@ -207,17 +256,17 @@ class RankingModel(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, JaggedTokens]:
         """Returns logits [B] and the jagged tokens (for token counts)."""
         tokens = self.build_tokens(batch)
-        x = tokens.values
-        # Every layer rotates by the same positions: build the cos/sin tables once per batch.
-        cos, sin = rotary_tables(self.rotary, tokens.offsets, tokens.num_tokens, self.config.head_dim)
-        rotary = Rotary(rotate_v=self.config.rotate_v, cos=cos, sin=sin)
-        for layer in self.layers:
-            x = layer(x, tokens.offsets, rotary)
-        x = self.final_norm(x)
-        # Mean over each sample's tokens; every sample has >= n_fixed >= 1 tokens.
-        summed = x.new_zeros(tokens.lengths.shape[0], x.shape[1]).index_add(0, tokens.sample_ids, x)
-        pooled = summed / tokens.lengths[:, None].to(x.dtype)
-        return self.head(pooled).squeeze(-1), tokens
+        values, offsets, sample_ids, lengths = tokens.values, tokens.offsets, tokens.sample_ids, tokens.lengths
+        pad = -tokens.num_tokens % self.config.pad_tokens_to if self.config.pad_tokens_to else 0
+        if self.config.pad_tokens_to:
+            # The pad tokens form one extra sequence at the end (even when pad is 0, so the sample
+            # count, and with it every shape, stays the same from batch to batch).
+            values = torch.cat([values, values.new_zeros(pad, values.shape[1])])
+            offsets = torch.cat([offsets, offsets[-1:] + pad])
+            lengths = torch.cat([lengths, lengths.new_full((1,), pad)])
+            sample_ids = torch.cat([sample_ids, sample_ids.new_full((pad,), lengths.shape[0] - 1)])
+        logits = self.interaction(values, offsets, sample_ids, lengths)
+        return logits[: tokens.lengths.shape[0]], tokens
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float())

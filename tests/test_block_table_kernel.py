@@ -21,7 +21,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kernels.blocks import (  # noqa: E402
-    ROWS_PER_PROGRAM, block_table, block_table_triton, counted_block_table, max_num_blocks, offsets_from_lengths,
+    ROWS_PER_PROGRAM, block_table, block_table_torch, block_table_triton, max_num_blocks, offsets_from_lengths,
 )
 
 pytest.importorskip("triton")
@@ -46,7 +46,7 @@ CASES = {
 
 
 def _torch_table(offsets: torch.Tensor, total_tokens: int):
-    block_start, block_len = block_table(offsets, total_tokens)
+    block_start, block_len = block_table_torch(offsets, total_tokens)
     return block_start, block_len, torch.count_nonzero(block_len)
 
 
@@ -78,10 +78,10 @@ def test_table_spans_several_programs():
     assert rows > 2 * ROWS_PER_PROGRAM and rows % ROWS_PER_PROGRAM != 0
 
 
-def test_counted_block_table_on_cpu_is_the_torch_table():
+def test_block_table_on_cpu_is_the_torch_table():
     lengths = CASES["empties_anywhere"]
     offsets = offsets_from_lengths(lengths)
-    _assert_same_table(counted_block_table(offsets, sum(lengths)), _torch_table(offsets, sum(lengths)))
+    _assert_same_table(block_table(offsets, sum(lengths)).tensors(), _torch_table(offsets, sum(lengths)))
 
 
 @pytest.mark.parametrize(

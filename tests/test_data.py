@@ -17,7 +17,9 @@ from data.baseline import binary_auc, logistic_regression_auc
 from data.batch import ArrowBatchCollator
 from data.datamodule import CTRDataModule
 from data.schema import LABEL, FeatureSchema, signed_log1p
-from data.synthetic import SyntheticConfig, ensure_synthetic, generate, synthetic_folder, synthetic_schema
+from data.synthetic import (
+    SyntheticConfig, ensure_synthetic, generate, synthetic_config, synthetic_folder, synthetic_schema,
+)
 from data.validation import validate_table
 
 SMALL = SyntheticConfig(num_train=3000, num_val=1000, vocab_size=200, num_items=300, max_history_len=200, seed=7)
@@ -192,7 +194,7 @@ def _epoch(loader) -> list:
 def test_datamodule_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
     module = CTRDataModule(data_dir=str(tmp_path), **TINY)
-    assert module.schema == synthetic_schema(module.synthetic_config)  # known before any data exists
+    assert module.schema == synthetic_schema(synthetic_config(module.args))  # known before any data exists
     assert not any(tmp_path.iterdir())
     module.prepare_data()
     module.setup("fit")
@@ -227,7 +229,7 @@ def test_datamodule_keeps_configs_apart_and_ignores_leftover_staging(tmp_path):
     leftover = tmp_path / f".{base.prepared_folder().name}.tmp-1-dead"
     (leftover / "train").mkdir(parents=True)
     (leftover / "train" / "part-00000.parquet").write_bytes(b"truncated")
-    ensure_synthetic(base.synthetic_config, tmp_path)
+    ensure_synthetic(synthetic_config(base.args), tmp_path)
     base.setup("fit")
     assert sum(batch.batch_size for batch in base.train_dataloader()) == TINY["num_train"]
     with pytest.raises(FileNotFoundError, match="not a prepared dataset folder"):
@@ -239,7 +241,7 @@ def test_failed_synthetic_write_leaves_no_folder_behind(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr("data.storage.write_meta", fail_after_shards)
-    config = CTRDataModule(data_dir=str(tmp_path), **TINY).synthetic_config
+    config = synthetic_config(CTRDataModule(data_dir=str(tmp_path), **TINY).args)
     with pytest.raises(OSError, match="disk full"):
         ensure_synthetic(config, tmp_path)
     assert list(tmp_path.iterdir()) == []  # neither the published folder nor its staging folder

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -197,3 +199,30 @@ def test_bf16_autocast_matches_fp32(model):
 def test_config_rejects_bad_sizes(overrides, message):
     with pytest.raises(ValueError, match=message):
         RankingModelConfig(**overrides)
+
+
+def test_padding_the_token_count_changes_no_logit(model):
+    """pad_tokens_to appends one sequence of pad tokens that no real token attends to and pooling drops."""
+    batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
+    padded = RankingModel(SCHEMA, dataclasses.replace(CONFIG, pad_tokens_to=128))
+    padded.load_state_dict(model.state_dict())
+    logits, tokens = model(batch)
+    padded_logits, padded_tokens = padded(batch)
+    assert padded_tokens.num_tokens == tokens.num_tokens  # the real tokens, as FLOP counts want them
+    torch.testing.assert_close(padded_logits, logits)
+
+
+def test_compiled_model_matches_eager_on_cpu(model):
+    """torch.compile of the token-interaction stack (inductor on CPU, reference attention), padded to
+    a few token counts as the GPU config pads them: the same logits and gradients as eager."""
+    compiled = RankingModel(SCHEMA, dataclasses.replace(CONFIG, compile=True, pad_tokens_to=64))
+    compiled.load_state_dict(model.state_dict())
+    for seed, lengths in enumerate(([0, 70, 3, 100], [5, 1, 64, 0])):
+        batch = make_batch(clicks_lengths=lengths, views_lengths=[2, 0, 5, 8], seed=seed)
+        eager_loss = model.loss(model(batch)[0], batch.labels)
+        compiled_loss = compiled.loss(compiled(batch)[0], batch.labels)
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+        eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
+        compiled_grads = torch.autograd.grad(compiled_loss, list(compiled.parameters()))
+        for (name, _), a, b in zip(model.named_parameters(), compiled_grads, eager_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -100,16 +100,25 @@ def test_tlx_kernel_compiles_to_sm90_wgmma_tma(aot_summary, name):
 
 
 def test_tlx_module_imports_without_tlx():
-    """The dev venv's plain triton has no TLX: the module must import, report why, touch no GPU."""
+    """The dev venv's plain triton has no TLX: the module must import, touch no GPU, and the
+    dispatcher must say what is missing and how to get it."""
     import torch
 
+    from kernels import BackendUnavailableError, block_attention
     from kernels import tlx_block_attention as m
 
     if m.HAS_TLX:
         pytest.skip("this interpreter has TLX installed")
-    reason = m.tlx_unsupported_reason(torch.empty(2, 1, 64, dtype=torch.bfloat16))
-    assert reason is not None and "fbtriton==3.7.4" in reason
+    assert m.BACKEND.name == "tlx" and "fbtriton==3.7.4" in m.BACKEND.how_to_get
     assert not torch.cuda.is_initialized()
-    with pytest.raises(RuntimeError, match="cannot run"):
-        m.block_attention_tlx(*(torch.zeros(1, 1, 64, dtype=torch.bfloat16) for _ in range(3)),
-                              torch.tensor([0, 1], dtype=torch.int32))
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(BackendUnavailableError, match="fbtriton==3.7.4"):
+        block_attention(x, x, x, torch.tensor([0, 1], dtype=torch.int32), backend="tlx")
+
+
+def test_tuning_knobs_are_checked():
+    from kernels.tlx_block_attention import tlx_config
+
+    assert tlx_config(64, False, backward=False, overrides={"NUM_STAGES": 2})["NUM_STAGES"] == 2
+    with pytest.raises(ValueError, match="unknown TLX bwd tuning knobs \\['O_TMA_STORE'\\]"):
+        tlx_config(64, False, backward=True, overrides={"O_TMA_STORE": True})

@@ -1,14 +1,19 @@
 """train.py end to end, run as `python train.py ...` in a subprocess exactly as a user would."""
 
 import csv
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+
+import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,12 +49,14 @@ def test_tiny_config_trains_and_loss_falls(tiny_run):
     losses = column(rows, "train/loss")
     assert len(losses) == 40
     assert statistics.mean(losses[-5:]) < statistics.mean(losses[:5]) - 0.02
-    for name in ("train/step_ms", "train/samples_per_s", "train/tokens_per_s"):
+    for name in ("train/step_ms", "train/samples_per_s", "train/tokens_per_s", "train/tflops"):
         values = column(rows, name)
         assert len(values) == 40 and all(v > 0 for v in values), name
+    assert [int(row["step"]) for row in rows if row["train/loss"]] == list(range(40))  # one row per step
+    assert not column(rows, "train/mfu")  # no bf16 peak to measure a CPU against
     # Every sample has at least its dense and categorical tokens: 1 + 6 per sample at batch 64.
     assert all(t / s >= 7 for t, s in zip(column(rows, "train/tokens_per_s"), column(rows, "train/samples_per_s")))
-    assert len(column(rows, "val/auc")) == 2  # val_check_interval 20 over 40 steps
+    assert [int(row["step"]) for row in rows if row["val/auc"]] == [19, 39]  # val_check_interval 20
     for name in ("val/logloss", "val/ne", "val/calibration"):
         assert all(v > 0 for v in column(rows, name)), name
 
@@ -57,26 +64,55 @@ def test_tiny_config_trains_and_loss_falls(tiny_run):
 def test_run_folder_holds_resolved_config_and_checkpoints(tiny_run):
     run_folder, _ = tiny_run
     config = yaml.safe_load((run_folder / "config.yaml").read_text())
-    assert config["model"]["d_model"] == 32  # from tiny.yaml
+    assert config["model"]["net"]["d_model"] == 32  # from tiny.yaml
     assert config["trainer"]["gradient_clip_val"] == 1.0  # from default.yaml, under tiny.yaml
     assert list(run_folder.glob("events.out.tfevents.*"))
     assert len(list((run_folder / "checkpoints").glob("best-step*-ne*.ckpt"))) == 1
     # A notebook rebuilds the trained model from the checkpoint alone.
-    from train import RankingTask
-
     last = run_folder / "checkpoints" / "last.ckpt"
-    task = RankingTask.load_from_checkpoint(last)
-    assert task.model.config.d_model == 32 and task.hparams.lr == 0.005
+    task = train.RankingTask.load_from_checkpoint(last, weights_only=True)
+    assert task.model.config.d_model == 32 and task.optim_config.lr == 0.005
     # last.ckpt holds the latest validation's state (step 40), whichever step scored the best NE.
     assert torch.load(last, weights_only=True)["global_step"] == 40
 
 
-def test_resume_continues_from_checkpoint(tiny_run):
-    run_folder, args = tiny_run
-    result = run_train(*args, f"--ckpt_path={run_folder / 'checkpoints' / 'last.ckpt'}", "--trainer.max_steps=45")
-    assert result.returncode == 0, result.stderr[-3000:]
-    resumed_steps = [int(row["step"]) for row in read_metrics(run_folder.parent / "version_1") if row["train/loss"]]
-    assert resumed_steps == list(range(40, 45))
+def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(tmp_path):
+    """SIGKILL mid-epoch, after the step-20 checkpoint, then resume from last.ckpt: the losses after
+    the checkpoint equal an uninterrupted run's bit for bit (CPU, same seed: the same batches in the
+    same order reach the same weights), and metrics.csv holds each step once."""
+    common = ["--config", "configs/tiny.yaml", f"--data.data_dir={tmp_path / 'cache'}", "--trainer.max_steps=100"]
+    straight = run_train(*common, f"--runs_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = read_metrics(tmp_path / "straight" / "tiny" / "version_0")
+
+    runs = tmp_path / "killed"
+    run_folder = runs / "tiny" / "version_0"
+    # 32 batches an epoch, a checkpoint every 20 steps: each checkpoint is mid-epoch.
+    process = subprocess.Popen([sys.executable, "train.py", *common, f"--runs_dir={runs}"], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if (run_folder / "checkpoints" / "last.ckpt").exists():
+            time.sleep(0.3)  # a few steps past the checkpoint, some of them logged
+            break
+        time.sleep(0.02)
+    assert process.poll() is None, "the run ended before it could be killed: " + process.stderr.read()[-2000:]
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    checkpoint_step = torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert checkpoint_step in (20, 40, 60, 80)
+    assert len(read_metrics(run_folder)) > 0
+
+    resumed = run_train(*common, f"--runs_dir={runs}", f"--ckpt_path={run_folder / 'checkpoints' / 'last.ckpt'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (runs / "tiny" / "version_1").exists()  # continued in its own folder
+    rows = read_metrics(run_folder)
+    train_steps = [int(row["step"]) for row in rows if row["train/loss"]]
+    assert train_steps == list(range(100)), train_steps
+    # A validation row carries the index of the step it follows.
+    assert [int(row["step"]) for row in rows if row["val/auc"]] == [19, 39, 59, 79, 99]
+    assert column(rows, "train/loss") == column(expected, "train/loss")
+    assert column(rows, "val/auc") == column(expected, "val/auc")
 
 
 def test_unavailable_backend_fails_fast_with_clean_message(tmp_path):
@@ -93,17 +129,18 @@ def test_unavailable_backend_fails_fast_with_clean_message(tmp_path):
 def test_help_lists_every_config_key():
     result = run_train("--help", timeout=120)
     assert result.returncode == 0
-    for key in ("--attn", "--ckpt_path", "--config", "--model.num_layers", "--model.attn_backend",
-                "--optim.lr", "--data.batch_size", "--data.max_history_len", "--trainer.max_steps",
-                "--trainer.precision"):
+    for key in ("--attn", "--ckpt_path", "--config", "--model.net.num_layers", "--model.net.attn_backend",
+                "--model.net.compile", "--model.optim.lr", "--model.optim.fused", "--model.peak_flops",
+                "--data.batch_size", "--data.max_history_len", "--trainer.max_steps", "--trainer.precision"):
         assert key in result.stdout, key
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model.num_layerz=1"], "num_layerz"),
-        (["--model.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
+        (["--model.net.num_layerz=1"], "num_layerz"),
+        (["--model.net.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
+        (["--model.schema.dense=[]"], "schema"),
         (["--attn=cuda"], "cuda"),
     ],
 )
@@ -116,8 +153,25 @@ def test_bad_arguments_give_a_clear_error(args, message):
 
 def test_bad_key_in_config_file_gives_a_clear_error(tmp_path):
     bad_config = tmp_path / "bad.yaml"
-    bad_config.write_text("model:\n  d_modle: 32\n")
+    bad_config.write_text("model:\n  net:\n    d_modle: 32\n")
     result = run_train("--config", str(bad_config), timeout=120)
     assert result.returncode == 2
     assert "d_modle" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_config_with_a_python_object_tag_is_rejected_not_executed(tmp_path):
+    marker = tmp_path / "executed"
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"run_name: !!python/object/apply:os.system ['touch {marker}']\n")
+    result = run_train("--config", str(evil), f"--runs_dir={tmp_path}/runs", timeout=120)
+    assert result.returncode == 2
+    assert not marker.exists()
+    assert "Traceback" not in result.stderr
+
+
+def test_checkpoints_load_with_weights_only(tiny_run):
+    run_folder, _ = tiny_run
+    checkpoint = torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)
+    assert {"state_dict", "optimizer_states", "global_step", "CTRDataModule"} <= set(checkpoint)
+    assert checkpoint["CTRDataModule"]["train_sampler"] == {"epoch": 1, "consumed": 8 * 64}  # 40 = 32 + 8 batches

@@ -1,5 +1,5 @@
-"""benchmarks/compare_backends.py: a tiny CPU comparison end to end (the reference backend against
-itself), the parity rule on synthetic curves, kernel parity, bad input, and the notebook."""
+"""benchmarks/compare: a tiny CPU comparison end to end (the reference backend against itself), the
+parity rule on synthetic curves, bad input, and the notebook."""
 
 import json
 import shutil
@@ -15,9 +15,11 @@ import torch
 import yaml
 from nbclient import NotebookClient
 
-from benchmarks import compare_backends as cb
-from benchmarks.kernel_parity import UnsupportedConfigError, kernel_errors
-from kernels import Rotary
+from benchmarks.compare import report as compare_report
+from benchmarks.compare import run
+from benchmarks.compare import verdict as compare_verdict
+from benchmarks.compare.__main__ import main as compare_main
+from benchmarks.compare.run import CompareError
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24  # warmup_steps(24) = 12, so 12 timed steps per run and two validations at 12 and 24
@@ -27,7 +29,7 @@ TINY = ["--config", "configs/tiny.yaml", "--steps", str(STEPS), "--seeds", "2", 
 def call_main(argv: list[str], capsys) -> tuple[int, str, str]:
     """Runs the CLI in-process: (exit status, stdout, stderr). argparse errors exit through SystemExit."""
     try:
-        code = cb.main(argv)
+        code = compare_main(argv)
     except SystemExit as exit_:
         code = exit_.code
     captured = capsys.readouterr()
@@ -40,7 +42,7 @@ def tiny(tmp_path_factory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("compare")
     args = ["--attn", "reference", "reference", *TINY, "--out", str(root / "out"), f"--data.data_dir={root / 'cache'}"]
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare_backends", *args], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-m", "benchmarks.compare", *args], cwd=REPO, capture_output=True, text=True,
         timeout=400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -61,7 +63,7 @@ def test_identical_backends_write_every_file_and_pass(tiny):
         assert (out / name).stat().st_size > 0, name
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((out / "compare.json").read_text())
-    for key in ("step_time_ms", "speedup_vs_fa2", "parity", "kernel_errors", "config", "backends", "seeds", "steps",
+    for key in ("step_time_ms", "speedup_vs_fa2", "parity", "kernel_parity", "config", "backends", "seeds", "steps",
                 "device", "versions", "date", "command", "runs"):
         assert key in report, key
     assert report["backends"] == {"reference": "reference", "reference_2": "reference"}
@@ -83,10 +85,10 @@ def test_identical_backends_write_every_file_and_pass(tiny):
     assert all(result["diff"] == 0 for result in entry["final"].values())
     assert 0.3 < report["final_metrics"]["reference"]["auc"]["mean"] < 1
 
-    reference = report["kernel_errors"]["backends"]["reference"]
-    assert report["kernel_errors"]["settings"]["dtype"] == "float32"
-    assert report["kernel_errors"]["settings"]["heads"] == 2 and report["kernel_errors"]["settings"]["head_dim"] == 16
-    assert all(0 < reference[t]["max_abs"] < 1e-5 for t in ("out", "dq", "dk", "dv"))
+    reference = report["kernel_parity"]["reference"]  # kernels.testing.parity on the model's head shape
+    assert reference["ok"] and reference["case"]["dtype"] == "torch.float32"
+    assert reference["case"]["heads"] == 2 and reference["case"]["head_dim"] == 16
+    assert all(0 < reference["outputs"][t]["max_err"] < 1e-5 for t in ("out", "dq", "dk", "dv"))
 
     markdown = (out / "compare.md").read_text()
     assert "**Parity: PASS**" in markdown and "| reference_2 |" in markdown and "loss_curves.png" in markdown
@@ -109,10 +111,10 @@ def test_crashed_run_is_reported_and_the_others_are_kept(tiny_copy):
     shutil.rmtree(run_dir)
     crash = "import sys; print('RuntimeError: the kernel exploded', file=sys.stderr); sys.exit(3)"
     identity = {"label": "reference_2", "backend": "reference", "seed": 1}
-    record = cb.launch_run([sys.executable, "-c", crash], run_dir, identity)
+    record = run.launch_run([sys.executable, "-c", crash], run_dir, identity)
     assert record["returncode"] == 3 and record["version"] is None
 
-    report = cb.write_report(tiny_copy)
+    report = compare_report.write_report(tiny_copy)
     crashed = [r for r in report["runs"] if r["status"] != "ok"]
     assert [(r["label"], r["seed"], r["status"], r["returncode"]) for r in crashed] == [("reference_2", 1, "failed", 3)]
     assert crashed[0]["stderr_tail"] == ["RuntimeError: the kernel exploded"]
@@ -150,7 +152,7 @@ def test_verdict_passes_backends_that_differ_only_by_seed_noise_almost_always():
         rng = np.random.default_rng(trial)
         losses = {"fa2": synthetic_losses(rng), "tlx": synthetic_losses(rng)}
         finals = {"fa2": synthetic_finals(rng), "tlx": synthetic_finals(rng)}
-        verdicts.append(cb.parity_verdict(losses, finals, "fa2", warmup=30))
+        verdicts.append(compare_verdict.parity_verdict(losses, finals, "fa2", warmup=30))
     assert all(v["backends"]["tlx"]["max_loss_gap"] != 0 for v in verdicts)
     # The rule trades power for few false alarms: ~1% from the curves, ~2% per final metric.
     assert sum(v["backends"]["tlx"]["loss_pass"] for v in verdicts) >= 38
@@ -161,7 +163,7 @@ def test_verdict_fails_a_shifted_loss_curve_from_where_it_shifts():
     rng = np.random.default_rng(1)
     losses = {"fa2": synthetic_losses(rng), "tlx": synthetic_losses(rng, shift=0.05)}
     finals = {"fa2": synthetic_finals(rng), "tlx": synthetic_finals(rng)}
-    verdict = cb.parity_verdict(losses, finals, "fa2", warmup=30)
+    verdict = compare_verdict.parity_verdict(losses, finals, "fa2", warmup=30)
     entry = verdict["backends"]["tlx"]
     assert not verdict["pass"] and not entry["loss_pass"]
     assert 95 <= entry["first_step_outside"] <= 105  # the shift starts at step 100 (smoothing blurs it by 2 steps)
@@ -170,14 +172,14 @@ def test_verdict_fails_a_shifted_loss_curve_from_where_it_shifts():
     for trial in range(10):
         rng = np.random.default_rng(100 + trial)
         losses = {"fa2": synthetic_losses(rng), "tlx": synthetic_losses(rng, shift=0.05)}
-        assert not cb.parity_verdict(losses, finals, "fa2", warmup=30)["backends"]["tlx"]["loss_pass"]
+        assert not compare_verdict.parity_verdict(losses, finals, "fa2", warmup=30)["backends"]["tlx"]["loss_pass"]
 
 
 def test_verdict_fails_a_final_auc_gap_beyond_seed_noise():
     rng = np.random.default_rng(2)
     losses = {"ref": synthetic_losses(rng), "triton": synthetic_losses(rng)}
     finals = {"ref": synthetic_finals(rng), "triton": synthetic_finals(rng, auc_shift=-0.01)}
-    verdict = cb.parity_verdict(losses, finals, "ref", warmup=30)
+    verdict = compare_verdict.parity_verdict(losses, finals, "ref", warmup=30)
     final = verdict["backends"]["triton"]["final"]
     assert not verdict["pass"] and verdict["backends"]["triton"]["loss_pass"]
     assert not final["auc"]["pass"] and final["ne"]["pass"] and final["logloss"]["pass"]
@@ -190,36 +192,16 @@ def test_verdict_fails_when_a_run_is_missing_and_notes_a_single_seed():
     finals = {"fa2": synthetic_finals(rng, seeds=1), "tlx": synthetic_finals(rng, seeds=1)}
     losses["tlx"] = losses["fa2"].copy()
     finals["tlx"] = finals["fa2"].copy()
-    assert cb.parity_verdict(losses, finals, "fa2", warmup=30)["pass"]
-    assert "no seed band" in cb.parity_verdict(losses, finals, "fa2", warmup=30)["note"]
-    verdict = cb.parity_verdict(losses, finals, "fa2", warmup=30, problems=["tlx seed 1: failed with exit code 1"])
+    assert compare_verdict.parity_verdict(losses, finals, "fa2", warmup=30)["pass"]
+    assert "no seed band" in compare_verdict.parity_verdict(losses, finals, "fa2", warmup=30)["note"]
+    verdict = compare_verdict.parity_verdict(losses, finals, "fa2", warmup=30, problems=["tlx seed 1: failed with exit code 1"])
     assert not verdict["pass"]
-    verdict = cb.parity_verdict({"fa2": losses["fa2"], "tlx": pd.DataFrame()}, finals, "fa2", warmup=30)
+    verdict = compare_verdict.parity_verdict({"fa2": losses["fa2"], "tlx": pd.DataFrame()}, finals, "fa2", warmup=30)
     assert not verdict["pass"] and "tlx: no finished run to compare" in verdict["problems"]
 
 
 def test_warmup_rule():
-    assert [cb.warmup_steps(n) for n in (2000, 1000, 100, 24, 1)] == [200, 100, 20, 12, 0]
-
-
-# ---------------------------------------------------------------------------------- kernel parity
-
-
-def test_kernel_errors_scale_with_the_kernel_dtype():
-    rotary = Rotary()
-    fp32 = kernel_errors(["reference"], torch.device("cpu"), torch.float32, 2, 32, rotary)["backends"]["reference"]
-    bf16 = kernel_errors(["reference"], torch.device("cpu"), torch.bfloat16, 2, 32, rotary)["backends"]["reference"]
-    for tensor in ("out", "dq", "dk", "dv"):
-        assert 0 < fp32[tensor]["max_abs"] < 1e-5 and fp32[tensor]["dtype"] == "float32"
-    for tensor in ("dq", "dk", "dv"):  # returned in bf16: the rounding shows, and stays bounded
-        assert bf16[tensor]["dtype"] == "bfloat16"
-        assert 1e-4 < bf16[tensor]["max_rel"] < 0.02
-
-
-def test_kernel_parity_rejects_inputs_a_backend_does_not_support(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets `triton` pass the device check on CPU
-    with pytest.raises(UnsupportedConfigError, match="head_dim 16"):
-        kernel_errors(["reference", "triton"], torch.device("cpu"), torch.float32, 2, 16, Rotary())
+    assert [compare_verdict.warmup_steps(n) for n in (2000, 1000, 100, 24, 1)] == [200, 100, 20, 12, 0]
 
 
 # ------------------------------------------------------------------------------------- bad input
@@ -232,8 +214,8 @@ def test_kernel_parity_rejects_inputs_a_backend_does_not_support(monkeypatch):
         (["--attn", "reference"], "at least two backends"),
         (["--attn", "tlx", "reference", "--config", "configs/tiny.yaml"], "'tlx' cannot run here"),
         (["--attn", "reference", "reference", "--seed_everything=3"], "sets --seed_everything itself"),
-        (["--attn", "reference", "reference", "--model.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
-        (["--attn", "reference", "reference", "--model.bogus=3"], "unrecognized arguments: --model.bogus=3"),
+        (["--attn", "reference", "reference", "--model.net.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
+        (["--attn", "reference", "reference", "--model.net.bogus=3"], "bogus"),
     ],
 )
 def test_bad_arguments_give_a_clear_error_before_anything_runs(argv, message, tmp_path, capsys):
@@ -254,11 +236,11 @@ def test_reused_out_folder_with_another_config_is_refused(tiny, capsys):
 def test_run_trained_with_another_config_is_refused(tiny_copy, capsys):
     saved = tiny_copy / "runs" / "reference-seed1" / "version_0" / "config.yaml"
     config = yaml.safe_load(saved.read_text())
-    config["model"]["d_model"] = 48
+    config["model"]["net"]["d_model"] = 48
     saved.write_text(yaml.safe_dump(config))
     code, _, err = call_main(["report", str(tiny_copy)], capsys)
     assert code == 2
-    assert "was trained with a different config: model.d_model = 48" in err
+    assert "was trained with a different config: model.net.d_model = 48" in err
 
 
 def test_out_folder_that_is_not_a_comparison_is_refused(tmp_path, capsys):
@@ -275,8 +257,8 @@ def test_report_on_a_missing_or_empty_folder_is_refused(make, message, tmp_path,
         folder.mkdir()
     code, _, err = call_main(["report", str(folder)], capsys)
     assert code == 2 and message in err
-    with pytest.raises(cb.CompareError, match=message):  # what the notebook sees
-        cb.load_comparison(folder)
+    with pytest.raises(CompareError, match=message):  # what the notebook sees
+        compare_report.load_comparison(folder)
 
 
 def test_train_py_compare_hook():

@@ -1,0 +1,294 @@
+"""Running a comparison: its settings (checked before anything trains), then one `python train.py`
+subprocess per (backend, seed), resumable, and each backend's kernel parity on the model's shapes."""
+
+import argparse
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+import kernels
+from benchmarks.bench_attention import device_name, versions
+from kernels.testing import parity
+
+REPO = Path(__file__).resolve().parents[2]
+COMPARABLE_BACKENDS = tuple(name for name in kernels.BACKENDS if name != "auto")
+# Set per run by the comparison itself, so they can't be passed through and differ between runs.
+PER_RUN_KEYS = ("attn", "model.net.attn_backend", "seed_everything", "run_name", "runs_dir", "ckpt_path", "dry_run")
+RESERVED_ARGS = (*PER_RUN_KEYS, "trainer.max_steps", "config")
+DESCRIPTION = "Train one config with several attention backends and judge speed and parity."
+
+
+class CompareError(Exception):
+    """Bad input: reported as one clear line and exit status 2."""
+
+
+@dataclass
+class Settings:
+    """One comparison: saved as settings.json; the same resolved config and device are required to reuse --out."""
+
+    out: Path
+    config_files: list[str]
+    passthrough: list[str]
+    labels: dict[str, str]  # label -> backend; a backend named twice gets label <backend>_2
+    seeds: list[int]
+    steps: int
+    device: str
+    device_type: str
+    kernel_dtype: str
+    resolved_config: dict
+    versions: dict
+    date: str
+    command: str
+
+    def to_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
+
+
+def labels_for(backends: list[str]) -> dict[str, str]:
+    labels, seen = {}, {}
+    for backend in backends:
+        seen[backend] = seen.get(backend, 0) + 1
+        labels[backend if seen[backend] == 1 else f"{backend}_{seen[backend]}"] = backend
+    return labels
+
+
+def run_name(label: str, seed: int) -> str:
+    return f"{label}-seed{seed}"
+
+
+def train_args(
+    config_files: list[str], passthrough: list[str], backend: str, seed: int, steps: int | None, out: Path, label: str
+) -> list[str]:
+    """train.py's arguments for one run; the comparison's own keys come last so they win."""
+    args = [arg for path in config_files for arg in ("--config", path)] + list(passthrough)
+    args += [f"--attn={backend}", f"--seed_everything={seed}", f"--runs_dir={out / 'runs'}",
+             f"--run_name={run_name(label, seed)}"]
+    if steps is not None:
+        args.append(f"--trainer.max_steps={steps}")
+    return args
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def comparable_config(config: dict) -> dict:
+    """A run's resolved config without the keys the comparison sets per run, flattened to dotted keys."""
+    return {k: v for k, v in _flatten(config).items() if k not in PER_RUN_KEYS and k != "config"}
+
+
+def config_differences(ours: dict, theirs: dict, ours_name: str, theirs_name: str) -> list[str]:
+    """`key: value in ours_name, value in theirs_name` for each differing key of two comparable configs."""
+    keys = sorted(set(ours) | set(theirs))
+    missing = "(absent)"
+    return [
+        f"{key} = {ours.get(key, missing)!r} in {ours_name}, {theirs.get(key, missing)!r} in {theirs_name}"
+        for key in keys
+        if ours.get(key, missing) != theirs.get(key, missing)
+    ]
+
+
+def resolve_config(config_files: list[str], passthrough: list[str], backend: str, steps: int | None,
+                   out: Path) -> dict:
+    """One run's config, resolved and checked by train.py itself (`--dry_run`: it builds the model,
+    data module and trainer, then prints the config): bad keys or values end here, before anything runs."""
+    command = [sys.executable, str(REPO / "train.py"), *train_args(config_files, passthrough, backend, 0, steps, out,
+                                                                     backend), "--dry_run=true"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if "error:" in line), lines[-1] if lines else "no output")
+        raise CompareError(f"train.py rejects the config or extra arguments: {reason.strip()}")
+    return yaml.safe_load(result.stdout)
+
+
+def kernel_dtype(precision: str) -> torch.dtype:
+    """The dtype the attention kernels see under a Lightning `trainer.precision` setting."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
+def training_device(accelerator) -> torch.device:
+    name = str(accelerator).lower()
+    if name in ("gpu", "cuda") or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise CompareError(f"the config sets trainer.accelerator={name} but no CUDA GPU is visible here")
+        return torch.device("cuda")
+    if name in ("cpu", "auto"):
+        return torch.device("cpu")
+    raise CompareError(f"trainer.accelerator={name!r}: the comparison runs on cpu, gpu/cuda or auto")
+
+
+def check_out_folder(settings: Settings) -> None:
+    """Refuses an --out folder that holds something else, or runs of a different config or device."""
+    out = settings.out
+    saved = out / "settings.json"
+    if not saved.exists():
+        if out.exists() and any(out.iterdir()):
+            raise CompareError(f"--out {out} is not empty and holds no settings.json: choose a new or empty folder")
+        return
+    previous = json.loads(saved.read_text())
+    differences = config_differences(
+        settings.resolved_config, previous["resolved_config"], "this command", f"{saved}"
+    )
+    if previous["device"] != settings.device:
+        differences.append(f"device = {settings.device!r} here, {previous['device']!r} in {saved}")
+    if differences:
+        shown = "; ".join(differences[:8]) + (f"; and {len(differences) - 8} more" if len(differences) > 8 else "")
+        raise CompareError(
+            f"--out {out} holds runs of a different comparison ({shown}). Use a new --out folder, or the same settings."
+        )
+
+
+def parse_compare_args(argv: list[str], prog: str) -> Settings:
+    parser = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=DESCRIPTION, epilog=f"Any other --key=value argument is passed to every train.py run.\n"
+        f"`{prog} report OUT` re-renders the report of an existing --out folder.",
+    )
+    parser.add_argument("--attn", nargs="+", required=True, choices=COMPARABLE_BACKENDS, metavar="BACKEND",
+                        help=f"two or more of {', '.join(COMPARABLE_BACKENDS)}; "
+                        "naming one twice compares it with itself")
+    parser.add_argument("--config", action="append", default=[], help="train.py config file(s), as for train.py")
+    parser.add_argument("--steps", type=int, help="training steps per run (default: the config's trainer.max_steps)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every backend (default 3)")
+    parser.add_argument("--out", required=True, type=Path, help="output folder")
+    args, passthrough = parser.parse_known_args(argv)
+    if len(args.attn) < 2:
+        parser.error("--attn needs at least two backends (name one twice to compare it with itself)")
+    if args.seeds < 1 or (args.steps is not None and args.steps < 1):
+        parser.error(f"--seeds and --steps must be >= 1, got --seeds {args.seeds} --steps {args.steps}")
+    if passthrough and not passthrough[0].startswith("--"):
+        parser.error(f"unexpected argument {passthrough[0]!r}; extra arguments must be --key=value train.py keys")
+    for arg in passthrough:
+        key = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+        if key in RESERVED_ARGS:
+            parser.error(f"{arg}: the comparison sets --{key} itself; use --attn, --seeds, --steps, --config or --out")
+
+    out = args.out.resolve()
+    labels = labels_for(args.attn)
+    config = resolve_config(args.config, passthrough, args.attn[0], args.steps, out)
+    steps = args.steps if args.steps is not None else config["trainer"]["max_steps"]
+    if steps is None or steps < 1:
+        raise CompareError(f"the config sets no trainer.max_steps ({steps}); pass --steps")
+    device = training_device(config["trainer"]["accelerator"])
+    for backend in dict.fromkeys(labels.values()):
+        try:
+            kernels.check_backend(backend, device)
+        except kernels.BackendUnavailableError as error:
+            raise CompareError(str(error)) from None
+    return Settings(
+        out=out, config_files=args.config, passthrough=passthrough, labels=labels, seeds=list(range(args.seeds)),
+        steps=steps, device=device_name(device), device_type=device.type,
+        kernel_dtype=str(kernel_dtype(config["trainer"]["precision"])).removeprefix("torch."),
+        resolved_config=comparable_config(config),
+        versions=versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=f"{prog} {shlex.join(argv)}",
+    )
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+def _version_folders(run_dir: Path) -> set[str]:
+    return {p.name for p in run_dir.glob("version_*") if p.is_dir()}
+
+
+def launch_run(command: list[str], run_dir: Path, record: dict) -> dict:
+    """Runs one training command, logging to run_dir, and returns (and saves) its run.json record.
+
+    run.json says "running" while the command runs, so a comparison cut short shows the run as
+    interrupted (and the next invocation retries it) rather than as finished.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    before = _version_folders(run_dir)
+    record = {**record, "command": shlex.join(command), "state": "running", "returncode": None, "version": None}
+    (run_dir / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    started = time.perf_counter()
+    with open(run_dir / "stdout.log", "w") as stdout, open(run_dir / "stderr.log", "w") as stderr:
+        returncode = subprocess.run(command, stdout=stdout, stderr=stderr).returncode
+    created = sorted(_version_folders(run_dir) - before, key=lambda name: int(name.split("_")[1]))
+    record.update(
+        state="finished", returncode=returncode, wall_s=round(time.perf_counter() - started, 1),
+        version=created[-1] if created else None,
+    )
+    (run_dir / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def finished_ok(run_dir: Path) -> bool:
+    path = run_dir / "run.json"
+    if not path.exists():
+        return False
+    record = json.loads(path.read_text())
+    return (
+        record.get("state") == "finished" and record.get("returncode") == 0 and record.get("version") is not None
+        and (run_dir / record["version"] / "metrics.csv").exists()
+    )
+
+
+def run_comparison(settings: Settings) -> None:
+    out = settings.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "settings.json").write_text(json.dumps(settings.to_json(), indent=1) + "\n")
+
+    net = {key.removeprefix("model.net."): value for key, value in settings.resolved_config.items()
+           if key.startswith("model.net.")}
+    backends = list(dict.fromkeys(["reference", *settings.labels.values()]))  # reference: the yardstick row
+    print(f"kernel parity on {settings.device} ({settings.kernel_dtype}): {', '.join(backends)}", flush=True)
+    results = {}
+    for backend in backends:
+        try:
+            result = parity(
+                backend, heads=net["num_heads"], head_dim=net["d_model"] // net["num_heads"],
+                dtype=getattr(torch, settings.kernel_dtype), device=settings.device_type,
+                rotary=kernels.Rotary(base=net["rotary_base"], within_block=net["rotary_within_block"],
+                                      rotate_v=net["rotate_v"]),
+            )
+        except ValueError as error:  # the inputs are valid by construction: the backend rejected them
+            raise CompareError(f"this model config can't run: {error}") from None
+        except Exception as error:  # a kernel crash is a finding to report, not a reason to stop
+            results[backend] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        results[backend] = {"ok": result.ok, "failures": result.failures, "case": result.case,
+                            "outputs": result.outputs}
+    (out / "kernel_parity.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+    total = len(settings.seeds) * len(settings.labels)
+    done = 0
+    for seed in settings.seeds:  # seed-major: an interrupted comparison still has every backend at seed 0
+        for label, backend in settings.labels.items():
+            done += 1
+            run_dir = out / "runs" / run_name(label, seed)
+            prefix = f"[{done}/{total}] {label} seed {seed}:"
+            if finished_ok(run_dir):
+                print(f"{prefix} reusing the finished run in {run_dir}", flush=True)
+                continue
+            print(f"{prefix} training (log: {run_dir}/stderr.log)", flush=True)
+            command = [
+                sys.executable, str(REPO / "train.py"),
+                *train_args(settings.config_files, settings.passthrough, backend, seed, settings.steps, out, label),
+            ]
+            record = launch_run(command, run_dir, {"label": label, "backend": backend, "seed": seed})
+            outcome = "ok" if record["returncode"] == 0 else f"FAILED with exit code {record['returncode']}"
+            print(f"{prefix} {outcome} in {record['wall_s']:.0f} s", flush=True)

@@ -1,0 +1,273 @@
+"""Where a training step's time goes: one profiled train.py run per attention backend, one table.
+
+    python -m benchmarks.profile_step --config configs/gpu.yaml --attn tlx triton fa2 reference \
+        --out benchmarks/results/profile_step_h200
+    python -m benchmarks.profile_step --config configs/tiny.yaml --attn reference --steps 4 --warmup 3 --out /tmp/p
+
+Each backend trains `warmup` steps, then `steps` steps under torch.profiler (CPU and CUDA activities)
+and Lightning's SimpleProfiler, through train.py itself (`--trainer.callbacks+=` this module's
+StepProfiler), so what is profiled is exactly what a user runs. Per step it reports:
+
+- device time by kernel family, from the profiler's GPU kernels and copies, summed;
+- host time by phase, from Lightning's SimpleProfiler (fetching the batch, forward, backward,
+  optimizer, Lightning's own work around them) and the host's waits for the device;
+- the step's wall time, MFU (models/flops.py over the device's dense bf16 datasheet peak), and its
+  speed of light: max(FLOPs / measured bf16 matmul rate, minimum bytes / measured copy bandwidth),
+  both rates measured in the same run, so the gap to the limit is one ratio.
+"""
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+REPO = Path(__file__).resolve().parents[1]
+# Kernel name patterns -> family, first match wins. Names cover cuBLAS (nvjet, sm90 gemm), Triton
+# (ours, inductor's fused kernels), ATen and fbgemm on H100/H200.
+KERNEL_FAMILIES = (
+    ("attention", r"block_attn|block_attention|flash|fmha|_attention_"),
+    ("block table", r"fill_block_table"),
+    ("matmul (projections, MLPs)", r"gemm|nvjet|cutlass|xmma|cublas|wgmma|sm90_"),
+    ("optimizer", r"multi_tensor|fused_adam|adamw|_foreach"),
+    ("embedding lookup and backward", r"embedding|index_select|indexSelect|index_add|indexing_backward|scatter|gather"
+                                      r"|segment|split_embedding|bounds_check|jagged"),
+    ("norms, activations, softmax, elementwise", r"^triton_|layer_norm|LayerNorm|elementwise|vectorized|reduce|"
+                                                 r"softmax|gelu|GeluCUDA|unrolled|CatArray|cat_|copy|fill"),
+    ("memory copies and sets", r"^Memcpy|^Memset|memcpy|memset"),
+)
+# SimpleProfiler actions (regular expressions) -> host phase. Lightning's optimizer_step action
+# wraps the closure (forward, backward, clipping): the optimizer's own time is what remains.
+HOST_ACTIONS = {
+    "fetch batch": r"train_dataloader_next$",
+    "move batch to device": r"^\[Strategy\].*\.batch_to_device$",
+    "forward (training_step)": r"^\[Strategy\].*\.training_step$",
+    "backward": r"^\[Strategy\].*\.backward$",
+    "gradient clipping": r"configure_gradient_clipping$",
+    "optimizer_step action": r"^\[LightningModule\].*\.optimizer_step$",
+    "zero_grad": r"optimizer_zero_grad$",
+    "callbacks": r"^\[Callback\]",
+    "run_training_batch": r"^run_training_batch$",
+}
+HOST_PHASES = ("fetch batch", "move batch to device", "forward (training_step)", "backward", "gradient clipping",
+               "optimizer step", "zero_grad", "callbacks", "Lightning and everything else")
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def kernel_family(name: str) -> str:
+    for family, pattern in KERNEL_FAMILIES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return family
+    return "other kernels"
+
+
+class StepProfiler(Callback):
+    """Profiles training steps [warmup, warmup + steps) and writes `out` (JSON)."""
+
+    def __init__(self, out: str, warmup: int = 20, steps: int = 10):
+        self.out, self.warmup, self.steps = Path(out), warmup, steps
+        self.profiler = None
+        self.marks: dict = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize()
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.marks = {"wall": time.perf_counter(), "host": self._host_durations(trainer), "flops": 0,
+                          "tokens": 0, "samples": 0, "history": []}
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+        if self.profiler is not None:
+            tokens, flops = pl_module.step_flops(batch)
+            self.marks["flops"] += flops
+            self.marks["tokens"] += tokens
+            self.marks["samples"] += batch.batch_size
+            self.marks["history"].append(batch.history_lengths)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.profiler is None or trainer.global_step < self.warmup + self.steps:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.marks["wall"]
+        self.profiler.__exit__(None, None, None)
+        host_after = self._host_durations(trainer)
+        host = {action: sum(host_after[action][len(self.marks["host"].get(action, [])):]) for action in host_after}
+        self._write(trainer, pl_module, self.profiler, wall, host)
+        self.profiler = None
+        trainer.should_stop = True
+
+    @staticmethod
+    def _host_durations(trainer) -> dict:
+        recorded = getattr(trainer.profiler, "recorded_durations", {})
+        return {action: list(durations) for action, durations in recorded.items()}
+
+    def _write(self, trainer, pl_module, profiler, wall: float, host: dict) -> None:
+        from models.flops import peak_flops, train_step_min_bytes
+
+        steps = self.steps
+        device_us = defaultdict(float)
+        syncs = defaultdict(lambda: [0, 0.0])
+        for event in profiler.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                device_us[kernel_family(event.name)] += event.device_time
+            elif event.name in SYNC_OPS:
+                syncs[event.name][0] += 1
+                syncs[event.name][1] += event.cpu_time
+        per_step = {name: sum(d for action, d in host.items() if re.search(pattern, action)) / steps * 1e3
+                    for name, pattern in HOST_ACTIONS.items()}
+        phases = {phase: per_step[phase] for phase in HOST_PHASES if phase in per_step}
+        phases["optimizer step"] = per_step["optimizer_step action"] - sum(
+            per_step[p] for p in ("forward (training_step)", "backward", "gradient clipping"))
+        outside = ("fetch batch", "move batch to device", "run_training_batch", "callbacks")
+        phases["Lightning and everything else"] = wall / steps * 1e3 - sum(per_step[p] for p in outside)
+        model, device = pl_module.model, pl_module.device
+        history = [h for h in self.marks["history"] if h is not None]
+        num_params = sum(p.numel() for p in model.parameters())
+        min_bytes = sum(train_step_min_bytes(model.config, model.schema, h, num_params) for h in history)
+        dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
+        ceilings = measured_ceilings(device)
+        report = {
+            "backend": model.config.attn_backend, "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda" else "cpu", "steps": steps, "warmup": self.warmup,
+            "precision": str(trainer.precision), "compile": model.config.compile,
+            "compile_mode": model.config.compile_mode, "pad_tokens_to": model.config.pad_tokens_to,
+            "wall_ms_per_step": wall / steps * 1e3,
+            "device_ms_per_step": {family: us / steps / 1e3 for family, us in sorted(device_us.items())},
+            "host_ms_per_step": phases,
+            "syncs_per_step": {name: {"calls": calls / steps, "host_ms": us / steps / 1e3}
+                               for name, (calls, us) in syncs.items()},
+            "flops_per_step": self.marks["flops"] / steps, "tokens_per_step": self.marks["tokens"] / steps,
+            "samples_per_step": self.marks["samples"] / steps, "min_bytes_per_step": min_bytes / max(len(history), 1),
+            "peak_flops": peak_flops(device, dtype), "ceilings": ceilings,
+            "host_actions_ms_per_step": {action: seconds / steps * 1e3 for action, seconds in sorted(host.items())},
+        }
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def measured_ceilings(device: torch.device) -> dict:
+    """bf16 matmul rate (8192^3 on random data) and device-to-device copy bandwidth (read + write),
+    do_bench medians, measured in the same process as the profile."""
+    if device.type != "cuda":
+        return {"matmul_tflops": None, "copy_tbps": None}
+    import triton.testing
+
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median")
+    src = torch.empty(2**32, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return {"matmul_tflops": 2 * 8192**3 / (ms * 1e-3) / 1e12, "copy_tbps": 2 * 2**32 / (copy_ms * 1e-3) / 1e12}
+
+
+def speed_of_light_ms(report: dict) -> float | None:
+    ceilings = report["ceilings"]
+    if not ceilings["matmul_tflops"]:
+        return None
+    flop_ms = report["flops_per_step"] / (ceilings["matmul_tflops"] * 1e12) * 1e3
+    byte_ms = report["min_bytes_per_step"] / (ceilings["copy_tbps"] * 1e12) * 1e3
+    return max(flop_ms, byte_ms)
+
+
+def render_markdown(reports: dict, command: str) -> str:
+    first = next(iter(reports.values()))
+    backends = list(reports)
+    lines = [
+        "# Where the training step's time goes",
+        "",
+        f"- device: {first['device']}; {first['precision']}; compile {first['compile']} ({first['compile_mode']}), "
+        f"pad_tokens_to {first['pad_tokens_to']}; {first['steps']} profiled steps after {first['warmup']} warmup steps",
+        f"- command: `{command}`",
+        f"- ceilings measured in each run: bf16 matmul {first['ceilings']['matmul_tflops'] or 0:.0f} TFLOP/s "
+        f"(8192³), copy {first['ceilings']['copy_tbps'] or 0:.2f} TB/s",
+        "",
+        "| per step | " + " | ".join(backends) + " |",
+        "|---|" + "---:|" * len(backends),
+    ]
+
+    def row(label, values, fmt="{:.2f}"):
+        lines.append(f"| {label} | " + " | ".join("—" if v is None else fmt.format(v) for v in values) + " |")
+
+    row("**wall time (ms)**", [r["wall_ms_per_step"] for r in reports.values()])
+    row("speed of light (ms): max(FLOPs/matmul rate, min bytes/copy BW)",
+        [speed_of_light_ms(r) for r in reports.values()])
+    row("wall / speed of light", [r["wall_ms_per_step"] / speed_of_light_ms(r) if speed_of_light_ms(r) else None
+                                   for r in reports.values()], "{:.1f}×")
+    row("MFU (dense bf16 datasheet peak)", [r["flops_per_step"] / (r["wall_ms_per_step"] * 1e-3) / r["peak_flops"] * 100
+                                            if r["peak_flops"] else None for r in reports.values()], "{:.1f}%")
+    row("TFLOP per step (models/flops.py)", [r["flops_per_step"] / 1e12 for r in reports.values()], "{:.3f}")
+    row("tokens per step", [r["tokens_per_step"] for r in reports.values()], "{:.0f}")
+    families = sorted({f for r in reports.values() for f in r["device_ms_per_step"]})
+    lines.append("| *device time (ms), by kernel family* |" + " |" * len(backends))
+    for family in families:
+        row(family, [r["device_ms_per_step"].get(family, 0.0) for r in reports.values()])
+    row("all device work", [sum(r["device_ms_per_step"].values()) for r in reports.values()])
+    lines.append("| *host time (ms), by phase* |" + " |" * len(backends))
+    for phase in HOST_PHASES:
+        row(phase, [r["host_ms_per_step"].get(phase) for r in reports.values()])
+    lines.append("| *host waits for the device* |" + " |" * len(backends))
+    for name in SYNC_OPS:
+        lines.append(f"| {name}: calls (host ms) | " + " | ".join(
+            "{calls:.1f} ({host_ms:.2f})".format(**r["syncs_per_step"].get(name, {"calls": 0, "host_ms": 0}))
+            for r in reports.values()) + " |")
+    lines += [
+        "",
+        "Device time sums the GPU kernels and copies of the profiled steps by name (benchmarks/profile_step.py's "
+        "KERNEL_FAMILIES), whatever stream or order they ran in; when it is far below the wall time the GPU "
+        "waited for the host. Host phases are Lightning's SimpleProfiler durations; with CUDA graphs the forward "
+        "and backward launch whole graphs, so their host time shrinks to the replay calls.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--attn", nargs="+", required=True)
+    parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--warmup", type=int, default=20, help="steps before profiling (compiles, CUDA graphs, caches)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, required=True, help="writes <out>.json and <out>.md")
+    args, passthrough = parser.parse_known_args(argv)
+    reports = {}
+    for backend in args.attn:
+        part = Path(f"{args.out}.{backend}.json")
+        command = [
+            sys.executable, str(REPO / "train.py"), *[a for c in args.config for a in ("--config", c)], *passthrough,
+            f"--attn={backend}", f"--trainer.max_steps={args.warmup + args.steps + 1}", "--trainer.profiler=simple",
+            "--trainer.val_check_interval=100000", "--trainer.limit_val_batches=0",
+            "--trainer.callbacks+=benchmarks.profile_step.StepProfiler", f"--trainer.callbacks.out={part}",
+            f"--trainer.callbacks.warmup={args.warmup}", f"--trainer.callbacks.steps={args.steps}",
+            "--run_name=profile_step", "--runs_dir=/tmp/profile_step_runs",
+        ]
+        print(f"== {backend}: {shlex.join(command)}", flush=True)
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        if result.returncode != 0 or not part.exists():
+            print(f"{backend} failed ({result.returncode}):\n{result.stderr[-3000:]}", flush=True)
+            continue
+        reports[backend] = json.loads(part.read_text())
+        part.unlink()
+    if not reports:
+        return 1
+    full_command = "python -m benchmarks.profile_step " + shlex.join(sys.argv[1:] if argv is None else argv)
+    Path(f"{args.out}.json").write_text(json.dumps({"command": full_command, "reports": reports}, indent=1) + "\n")
+    markdown = render_markdown(reports, full_command)
+    Path(f"{args.out}.md").write_text(markdown)
+    print(markdown)
+    return 0 if len(reports) == len(args.attn) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The datasets CTRDataModule serves, by name. A new dataset is one module exporting
+`DATASET = DatasetSpec(...)` plus one line in DATASET_MODULES."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from data.schema import FeatureSchema
+
+DATASET_MODULES = {
+    "synthetic": "data.synthetic",
+    "criteo": "data.criteo",
+    "movielens100k": "data.movielens",
+}
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    """The data module's arguments, as every dataset's functions receive them (each reads its own)."""
+
+    data_dir: Path
+    num_train: int
+    num_val: int
+    seed: int
+    num_dense: int
+    num_categorical: int
+    vocab_size: int
+    num_items: int
+    max_history_len: int
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    # The features its prepared rows hold (checked against the prepared folder's own record).
+    schema: Callable[[DataArgs], FeatureSchema]
+    # Where its prepared folder lives. Reading it prepares nothing (every rank reads it).
+    folder: Callable[[DataArgs], Path]
+    # Makes sure the prepared folder exists, generating or fetching it if the dataset can (one process
+    # per machine does this); raises FileNotFoundError saying how to prepare it otherwise.
+    prepare: Callable[[DataArgs], Path]
+    # True: num_train/num_val generate that many rows. False: they keep the first rows of the prepared
+    # splits (0 = all).
+    generated: bool = False
+
+
+def dataset_spec(name: str) -> DatasetSpec:
+    if name not in DATASET_MODULES:
+        raise ValueError(f"dataset={name!r} is not one of {tuple(DATASET_MODULES)}")
+    return importlib.import_module(DATASET_MODULES[name]).DATASET

@@ -1,0 +1,123 @@
+"""What a block-attention backend is, and the one factory that makes a kernel backend's custom ops.
+
+Every backend module (reference.py, fa2.py, triton_block_attention.py, tlx_block_attention.py)
+exports one `BACKEND = Backend(...)`; dispatch.py lists the modules and routes to their `run`.
+
+A kernel backend supplies two launchers and gets its ops from `kernel_ops`:
+
+    forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch) -> [out, *residuals]
+    backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
+             out, *residuals) -> (dq, dk, dv)
+
+`kernel_ops` registers them as `block_attention::<name>_forward` / `_backward` custom ops with fake
+(meta) implementations and an autograd formula, so models that call them compile under
+torch.compile (the ops are opaque to it, and their data-dependent block count never leaks into a
+graph). `residuals` are whatever else the backward needs from the forward (FlashAttention's
+logsumexp and RNG state); the fused kernels need none, since they recompute P.
+
+`launch` is a backend's launch-setting overrides as canonical JSON ({"fwd": {...}, "bwd": {...}},
+"" for the production settings), passed explicitly from `block_attention(..., launch=...)` so a
+tuning sweep changes nothing global.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .blocks import BlockTable
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    # How to get it where it is missing: shown by BackendUnavailableError.
+    how_to_get: str
+    # Why it cannot run at all on this device and software stack, or None if it can.
+    unavailable_reason: Callable[[torch.device], str | None]
+    # Why it cannot take inputs like q [T, H, D] (dtype, head_dim, device), or None if it can.
+    unsupported_reason: Callable[[torch.Tensor], str | None]
+    # (q, k, v, table: BlockTable, cos, sin, rotate_v: bool, launch: str) -> out [T, H, D]
+    run: Callable[..., torch.Tensor]
+    # False: rotary is applied by separate PyTorch ops before `run`, which then gets cos = sin = None.
+    fuses_rotary: bool = True
+
+
+def no_unsupported_inputs(q: torch.Tensor) -> str | None:
+    return None
+
+
+def launch_json(launch: dict | None) -> str:
+    """The canonical string form of launch overrides that the ops take ("" = production)."""
+    if not launch:
+        return ""
+    unknown = set(launch) - {"fwd", "bwd"}
+    if unknown:
+        raise ValueError(f"launch overrides are keyed by pass, 'fwd' and/or 'bwd'; got {sorted(unknown)}")
+    return json.dumps({direction: dict(launch[direction]) for direction in sorted(launch)}, sort_keys=True)
+
+
+def launch_overrides(launch: str, direction: str) -> dict:
+    """One pass's overrides from the string form."""
+    return json.loads(launch).get(direction, {}) if launch else {}
+
+
+def refuse_launch(backend: str, launch: str) -> None:
+    if launch:
+        raise ValueError(f"the {backend} backend has no launch settings to override, got {launch}")
+
+
+def kernel_ops(
+    name: str,
+    forward: Callable,
+    backward: Callable,
+    fake_residuals: Callable[[torch.Tensor], list[torch.Tensor]] = lambda q: [],
+) -> Callable[..., torch.Tensor]:
+    """Registers backend `name`'s forward and backward launchers as custom ops with fake and
+    autograd implementations; returns its `run(q, k, v, table, cos, sin, rotate_v, launch)`."""
+
+    @torch.library.custom_op(f"block_attention::{name}_forward", mutates_args=())
+    def forward_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        block_start: torch.Tensor, block_len: torch.Tensor, num_blocks: torch.Tensor,
+        cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool, launch: str,
+    ) -> list[torch.Tensor]:
+        return list(forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch))
+
+    @forward_op.register_fake
+    def _(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
+        return [torch.empty_like(q, memory_format=torch.contiguous_format), *fake_residuals(q)]
+
+    @torch.library.custom_op(f"block_attention::{name}_backward", mutates_args=())
+    def backward_op(
+        grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        block_start: torch.Tensor, block_len: torch.Tensor, num_blocks: torch.Tensor,
+        cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool, launch: str,
+        saved: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, *saved)
+
+    @backward_op.register_fake
+    def _(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, saved):
+        return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+    def setup_context(ctx, inputs, output):
+        *tensors, rotate_v, launch = inputs
+        ctx.save_for_backward(*tensors, *output)
+        ctx.rotate_v, ctx.launch, ctx.num_inputs = rotate_v, launch, len(tensors)
+
+    def backward_formula(ctx, grads):
+        saved = ctx.saved_tensors
+        inputs, outputs = saved[: ctx.num_inputs], list(saved[ctx.num_inputs:])
+        dq, dk, dv = backward_op(grads[0], *inputs, ctx.rotate_v, ctx.launch, outputs)
+        # Neither the block table nor the rotary tables (functions of position) get a gradient.
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    forward_op.register_autograd(backward_formula, setup_context=setup_context)
+
+    def run(q, k, v, table: BlockTable, cos, sin, rotate_v: bool, launch: str) -> torch.Tensor:
+        return forward_op(q, k, v, *table.tensors(), cos, sin, bool(rotate_v), launch)[0]
+
+    run.forward_op, run.backward_op = forward_op, backward_op  # for opcheck in the tests
+    return run

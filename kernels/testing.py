@@ -1,0 +1,125 @@
+"""The one definition of a correct block-attention backend: `parity`.
+
+Every test, GPU check, benchmark and sweep judges a backend with it. On a random ragged batch, the
+backend's out, dq, dk and dv are compared with the fp64 reference on the same (rounded) inputs:
+
+- error: max |kernel - fp64| <= ERROR_RATIO x max |PyTorch in the input dtype - fp64| + ABS_FLOOR,
+  the flash-attention rule (the same-precision PyTorch reference is kernels.reference with
+  upcast=False: the error any plain implementation in that dtype makes);
+- gradient SNR: 10 log10(|truth|^2 / |kernel - truth|^2) >= MIN_GRAD_SNR_DB for dq, dk, dv, a
+  scale-free check (Meta's block-attention test) that catches a small wrong region the max hides;
+- determinism: a second run gives bitwise-identical out, dq, dk, dv;
+- every value finite.
+The batch covers the empty sequence, a single token, both sides of a block edge and several
+blocks (EDGE_LENGTHS), and grad_out is strided, so the backward must honour its strides.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .dispatch import block_attention
+from .reference import block_attention_reference
+from .rotary import Rotary, rotary_tables
+
+ERROR_RATIO = 2.0
+MIN_GRAD_SNR_DB = 45.0
+# Below these, errors are rounding noise of the comparison itself, not of either implementation.
+ABS_FLOOR = {torch.float64: 0.0, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-5}
+EDGE_LENGTHS = (0, 1, 63, 64, 65, 200)
+OUTPUTS = ("out", "dq", "dk", "dv")
+
+
+@dataclass
+class ParityResult:
+    backend: str
+    case: dict
+    outputs: dict = field(default_factory=dict)  # name -> the numbers and checks below
+    failures: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        cells = []
+        for name, o in self.outputs.items():
+            cells.append(f"{name} {o['max_err']:.2e}/{o['torch_max_err']:.2e} {o['snr_db']:5.1f}dB")
+        status = "PASS" if self.ok else "FAIL " + "; ".join(self.failures)
+        return f"{self.backend} {self.case['label']}: " + " | ".join(cells) + f"  {status}"
+
+
+def snr_db(result: torch.Tensor, truth: torch.Tensor) -> float:
+    noise = (result.double() - truth).pow(2).sum().item()
+    signal = truth.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def _out_and_grads(attend, leaves, grad_out):
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    out = attend(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
+def parity(
+    backend: str,
+    *,
+    lengths=EDGE_LENGTHS,
+    heads: int = 4,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    rotary: Rotary | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    launch: dict | None = None,
+) -> ParityResult:
+    """Judges `backend` (through kernels.block_attention) on one random ragged batch; see the module doc."""
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = int(offsets[-1])
+    # Rounded to dtype once: the fp64 truth sees exactly the values the kernel sees.
+    q, k, v = (torch.randn(tokens, heads, head_dim, generator=generator).to(dtype).to(device) for _ in range(3))
+    grad_out = torch.randn(tokens, heads, 2 * head_dim, generator=generator).to(dtype).to(device)[..., :head_dim]
+    offsets = offsets.to(device)
+    rotary_label = "none" if rotary is None else "qkv" if rotary.rotate_v else "qk"
+    label = f"D{head_dim} H{heads} {str(dtype).removeprefix('torch.')} rotary={rotary_label} lengths={list(lengths)}"
+    result = ParityResult(backend, dict(label=label, lengths=list(lengths), heads=heads, head_dim=head_dim,
+                                        dtype=str(dtype), rotary=rotary_label, device=str(device), seed=seed))
+    cos = sin = None
+    if rotary is not None:
+        cos, sin = rotary_tables(rotary, offsets, tokens, head_dim)
+    rotate_v = rotary is not None and rotary.rotate_v
+
+    def kernel(*x):
+        return block_attention(*x, offsets, rotary=rotary, backend=backend, launch=launch)
+
+    def reference(*x, upcast=True):
+        return block_attention_reference(*x, offsets, cos, sin, rotate_v, upcast=upcast)
+
+    runs = [_out_and_grads(kernel, (q, k, v), grad_out) for _ in range(2)]
+    same_precision = _out_and_grads(lambda *x: reference(*x, upcast=False), (q, k, v), grad_out)
+    truth = _out_and_grads(reference, [x.double() for x in (q, k, v)], grad_out.double())
+    for name, got, again, plain, exact in zip(OUTPUTS, *runs, same_precision, truth):
+        err = (got.double() - exact).abs().max().item() if got.numel() else 0.0
+        torch_err = (plain.double() - exact).abs().max().item() if got.numel() else 0.0
+        bound = ERROR_RATIO * torch_err + ABS_FLOOR[dtype]
+        snr = snr_db(got, exact)
+        checks = {
+            "finite": bool(torch.isfinite(got).all()),
+            "dtype": got.dtype == dtype and got.shape == exact.shape,
+            "error_ratio": err <= bound,
+            "snr": name == "out" or snr >= MIN_GRAD_SNR_DB,
+            "deterministic": torch.equal(got, again),
+        }
+        result.outputs[name] = dict(max_err=err, torch_max_err=torch_err, bound=bound, snr_db=snr,
+                                    rounding_floor=(exact.to(dtype).double() - exact).abs().max().item()
+                                    if got.numel() else 0.0, **checks)
+        for check, passed in checks.items():
+            if not passed:
+                detail = {"error_ratio": f" ({err:.3g} > {bound:.3g})", "snr": f" ({snr:.1f} dB)"}.get(check, "")
+                result.failures.append(f"{name} {check}{detail}")
+    return result

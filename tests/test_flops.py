@@ -1,0 +1,67 @@
+"""models/flops.py: the FLOP count MFU divides by, against PyTorch's own FLOP counter."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from data.batch import Batch
+from models import RankingModel, RankingModelConfig
+from models.flops import block_length_square_sum, forward_flops, train_step_flops, train_step_min_bytes
+from tests.test_model import SCHEMA, make_batch
+
+CONFIG = RankingModelConfig(d_model=32, num_heads=2, num_layers=2, mlp_ratio=2, embedding_dim=8, n_dense_tokens=2)
+FIXED_TOKENS = CONFIG.n_dense_tokens + len(SCHEMA.categorical)
+
+
+def counted(model: RankingModel, batch: Batch) -> dict:
+    """FlopCounterMode's forward+backward FLOPs of one step, by op: matmuls of 2-D inputs (the
+    projections and MLPs) are mm/addmm, the reference attention's per-tile einsums are bmm."""
+    with FlopCounterMode(display=False) as counter:
+        logits, _ = model(batch)
+        model.loss(logits, batch.labels).backward()
+    return {str(op).split(".")[1]: flops for op, flops in counter.get_flop_counts()["Global"].items()}
+
+
+def test_block_length_square_sum_counts_partial_blocks():
+    assert block_length_square_sum(np.array([0, 1, 64, 65, 200])) == 1 + 4096 + 4096 + 1 + 3 * 4096 + 8 * 8
+
+
+def test_matmul_flops_equal_pytorchs_count():
+    model = RankingModel(SCHEMA, CONFIG)
+    batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
+    history = np.array([2, 70, 8, 108])
+    counts = counted(model, batch)
+    attention = 4 * CONFIG.d_model * block_length_square_sum(FIXED_TOKENS + history)
+    # Everything but attention is exactly the counter's mm + addmm, forward and backward.
+    assert train_step_flops(CONFIG, SCHEMA, history) - 3 * CONFIG.num_layers * attention == counts["mm"] + counts["addmm"]
+
+
+def test_attention_flops_equal_pytorchs_count_when_every_block_is_full():
+    """The reference pads each block to 64 and its table to a shape-derived row count; one sample
+    of whole blocks leaves neither padding, so its bmm count is exactly the formula's attention."""
+    model = RankingModel(SCHEMA, CONFIG)
+    batch = make_batch(clicks_lengths=[128 - FIXED_TOKENS - 8], views_lengths=[8])
+    history = np.array([128 - FIXED_TOKENS])
+    attention = 4 * CONFIG.d_model * block_length_square_sum(FIXED_TOKENS + history)
+    assert 3 * CONFIG.num_layers * attention == counted(model, batch)["bmm"]
+
+
+def test_backward_is_twice_the_forward_but_the_dense_inputs_gradient_and_min_bytes_grow_with_tokens():
+    history = np.array([10, 200])
+    dense_inputs_grad = 2 * 2 * len(SCHEMA.dense) * CONFIG.mlp_ratio * CONFIG.d_model
+    assert train_step_flops(CONFIG, SCHEMA, history) == 3 * forward_flops(CONFIG, SCHEMA, history) - dense_inputs_grad
+    params = 10_000
+    assert train_step_min_bytes(CONFIG, SCHEMA, history * 2, params) > train_step_min_bytes(CONFIG, SCHEMA, history, params)
+    assert train_step_min_bytes(CONFIG, SCHEMA, np.array([0]), params) >= 40 * params
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989.4e12), ("NVIDIA H100 80GB HBM3", 989.4e12),
+                                        ("NVIDIA GeForce RTX 4090", None)])
+def test_peak_is_the_dense_16_bit_datasheet_figure(monkeypatch, name, peak):
+    from models import flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert flops.peak_flops(torch.device("cuda"), torch.bfloat16) == peak
+    assert flops.peak_flops(torch.device("cuda"), torch.float32) is None
+    assert flops.peak_flops(torch.device("cpu"), torch.bfloat16) is None

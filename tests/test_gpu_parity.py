@@ -1,0 +1,93 @@
+"""Every block-attention backend this machine can run, judged by kernels.testing.parity on the GPU.
+
+Marked `gpu`: skipped without CUDA (CI has none). On the H200 (scripts/gpu_session.sh, step
+`parity`) it runs as `python3 -m pytest -m gpu -v -s tests/test_gpu_parity.py`, and its log is
+committed as benchmarks/results/parity_h200.log. Each case prints parity's summary line, so the
+log holds the numbers, not only PASS/FAIL.
+"""
+
+import pytest
+import torch
+
+from kernels import AUTO_ORDER, Rotary, available_backends, block_attention, block_table, get_backend, rotary_tables
+from kernels.testing import EDGE_LENGTHS, parity
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+KERNEL_BACKENDS = [name for name in AUTO_ORDER if name != "reference"]
+ROTARY = {"none": None, "qk": Rotary(), "qkv": Rotary(rotate_v=True)}
+_random = torch.Generator().manual_seed(1234)
+# The edge lengths, then 40 random ones: several hundred blocks, so many programs take part.
+RAGGED = (*EDGE_LENGTHS, 0, 128, *torch.randint(0, 600, (40,), generator=_random).tolist())
+# More (block, head) items than any grid has programs: persistent programs wrap around their loop.
+MANY_ITEMS = (4096 + 17, 3000, 1) * 12
+
+
+def _runnable(backend: str, head_dim: int, dtype: torch.dtype) -> None:
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available on this machine")
+    reason = get_backend(backend).unsupported_reason(torch.empty(1, 1, head_dim, dtype=dtype, device="cuda"))
+    if reason is not None:
+        pytest.skip(f"{backend} does not take {reason}")
+
+
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_parity(backend, head_dim, dtype, rotary):
+    _runnable(backend, head_dim, dtype)
+    for lengths in (EDGE_LENGTHS, RAGGED):
+        result = parity(backend, lengths=lengths, head_dim=head_dim, dtype=dtype, rotary=ROTARY[rotary],
+                        device="cuda", seed=head_dim + len(lengths))
+        print(result.summary())
+        assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_parity_with_more_items_than_programs(backend):
+    _runnable(backend, 64, torch.bfloat16)
+    result = parity(backend, lengths=MANY_ITEMS, head_dim=64, rotary=Rotary(rotate_v=True), device="cuda", seed=6)
+    print(result.summary())
+    assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_compiled_layer_matches_eager(backend):
+    """torch.compile (inductor, fullgraph) of a layer around the kernel gives the eager result."""
+    _runnable(backend, 64, torch.bfloat16)
+    lengths = [3, 70, 200]
+    offsets = torch.tensor([0, 3, 73, 273], dtype=torch.int32, device="cuda")
+    table = block_table(offsets, 273)
+    cos, sin = rotary_tables(Rotary(), offsets, 273, 64)
+    generator = torch.Generator(device="cpu").manual_seed(7)
+    inputs = [torch.randn(sum(lengths), 4, 64, generator=generator).to("cuda", torch.bfloat16) for _ in range(4)]
+
+    def layer(q, k, v):
+        return block_attention(q * 2, k, v, table, rotary=Rotary(cos=cos, sin=sin), backend=backend).relu()
+
+    def out_and_grads(fn):
+        leaves = [x.detach().requires_grad_() for x in inputs[:3]]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, inputs[3])]
+
+    eager = out_and_grads(layer)
+    compiled = out_and_grads(torch.compile(layer, fullgraph=True))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), compiled, eager):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_custom_ops_pass_opcheck_on_gpu(backend):
+    _runnable(backend, 64, torch.bfloat16)
+    run = get_backend(backend).run
+    if not hasattr(run, "forward_op"):
+        pytest.skip(f"{backend} runs flash-attn's own autograd function, not our ops")
+    offsets = torch.tensor([0, 3, 73, 273], dtype=torch.int32, device="cuda")
+    table = block_table(offsets, 273)
+    cos, sin = (rotary_tables(Rotary(), offsets, 273, 64) if get_backend(backend).fuses_rotary else (None, None))
+    q, k, v = (torch.randn(273, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(run.forward_op, (q, k, v, *table.tensors(), cos, sin, False, ""))
