@@ -12,28 +12,24 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 from torch import nn
+from torchmetrics.functional.classification import binary_auroc
 
 from data.batch import Batch
 from data.schema import FeatureSchema
 
 
-def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC via the rank-sum statistic; tied scores get their average rank."""
-    scores = np.asarray(scores, dtype=np.float64).ravel()
-    labels = np.asarray(labels).ravel()
+def binary_auc(scores, labels) -> float:
+    """ROC AUC (torchmetrics, as the training's validation AUC); tied scores count half."""
+    scores = torch.as_tensor(np.asarray(scores, dtype=np.float64)).ravel()
+    labels = torch.as_tensor(np.asarray(labels)).ravel()
     if scores.shape != labels.shape:
         raise ValueError(f"binary_auc: {scores.shape[0]} scores but {labels.shape[0]} labels")
-    positives = int((labels == 1).sum())
-    negatives = int((labels == 0).sum())
-    if positives + negatives != labels.size:
-        raise ValueError(f"binary_auc: labels must be 0 or 1, got {np.unique(labels)[:10]}")
-    if positives == 0 or negatives == 0:
-        raise ValueError(f"binary_auc: need both classes, got {positives} positives and {negatives} negatives")
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    first_rank = np.cumsum(counts) - counts + 1
-    average_rank = first_rank + (counts - 1) / 2.0
-    rank_sum = average_rank[inverse][labels == 1].sum()
-    return float((rank_sum - positives * (positives + 1) / 2.0) / (positives * negatives))
+    if not bool(((labels == 0) | (labels == 1)).all()):
+        raise ValueError(f"binary_auc: labels must be 0 or 1, got {labels.unique()[:10].tolist()}")
+    positives = int(labels.sum())
+    if positives == 0 or positives == labels.numel():
+        raise ValueError(f"binary_auc: need both classes, got {positives} positives and {labels.numel() - positives} negatives")
+    return float(binary_auroc(scores, labels.long()))
 
 
 class LogisticRegression(nn.Module):

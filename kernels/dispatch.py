@@ -34,6 +34,9 @@ BACKENDS = ("auto", *BACKEND_MODULES)
 AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
 
 _loaded: dict[str, Backend] = {}
+# Whether a backend runs on a device does not change within a process; remembered, so that calls
+# traced by torch.compile (every layer of a compiled model) find it without querying the driver.
+_unavailable: dict[tuple[str, torch.device], str | None] = {}
 
 
 def get_backend(name: str) -> Backend:
@@ -47,11 +50,13 @@ def get_backend(name: str) -> Backend:
 
 def backend_unavailable_reason(name: str, device: torch.device | str) -> str | None:
     """Why backend `name` cannot run on `device` at all, or None if it can."""
-    try:
-        backend = get_backend(name)
-    except ImportError as error:  # e.g. the Triton backend where the `triton` package is missing
-        return f"its module {BACKEND_MODULES[name]} cannot be imported ({error})"
-    return backend.unavailable_reason(torch.device(device))
+    key = (name, torch.device(device))
+    if key not in _unavailable:
+        try:
+            _unavailable[key] = get_backend(name).unavailable_reason(key[1])
+        except ImportError as error:  # e.g. the Triton backend where the `triton` package is missing
+            _unavailable[key] = f"its module {BACKEND_MODULES[name]} cannot be imported ({error})"
+    return _unavailable[key]
 
 
 def available_backends(device: torch.device | str) -> list[str]:
