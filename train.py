@@ -51,7 +51,9 @@ class OptimConfig:
         weight_decay: applied to weight matrices only, not to embeddings, norms or biases.
         warmup_steps: linear warmup, then cosine decay to min_lr_ratio * lr at the last step.
         min_lr_ratio: final learning rate as a fraction of lr.
-        fused: AdamW's fused CUDA kernel (one launch for every parameter); None = on CUDA devices.
+        fused: AdamW's fused CUDA kernel (one launch for every parameter). Lightning refuses gradient
+            clipping (trainer.gradient_clip_val) with it under mixed precision, so None = off; PyTorch's
+            default multi-tensor AdamW then runs.
     """
 
     lr: float = 1e-3
@@ -151,7 +153,7 @@ class RankingTask(L.LightningModule):
             is_matrix = parameter.dim() >= 2 and id(parameter) not in embedding_ids
             (decay if is_matrix else no_decay).append(parameter)
         optim = self.optim_config
-        fused = optim.fused if optim.fused is not None else self.device.type == "cuda"
+        fused = bool(optim.fused)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=optim.lr, fused=fused,

@@ -53,11 +53,12 @@ HOST_ACTIONS = {
     "gradient clipping": r"configure_gradient_clipping$",
     "optimizer_step action": r"^\[LightningModule\].*\.optimizer_step$",
     "zero_grad": r"optimizer_zero_grad$",
-    "callbacks": r"^\[Callback\]",
+    "callbacks": r"^\[Callback\](?!StepProfiler)",  # this profiler's own hooks are not the step's
+    "profiler's own hooks": r"^\[Callback\]StepProfiler",
     "run_training_batch": r"^run_training_batch$",
 }
 HOST_PHASES = ("fetch batch", "move batch to device", "forward (training_step)", "backward", "gradient clipping",
-               "optimizer step", "zero_grad", "callbacks", "Lightning and everything else")
+               "optimizer step", "zero_grad", "callbacks", "Lightning and everything else", "profiler's own hooks")
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
 
 
@@ -118,18 +119,14 @@ class StepProfiler(Callback):
         device_us = defaultdict(float)
         syncs = defaultdict(lambda: [0, 0.0])
         for event in profiler.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
+            # GPU-side spans of record_function ranges (Optimizer.step#AdamW.step, ...) are not work:
+            # they cover the kernels inside them and the device's idle gaps between those.
+            if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
                 device_us[kernel_family(event.name)] += event.device_time
             elif event.name in SYNC_OPS:
                 syncs[event.name][0] += 1
                 syncs[event.name][1] += event.cpu_time
-        per_step = {name: sum(d for action, d in host.items() if re.search(pattern, action)) / steps * 1e3
-                    for name, pattern in HOST_ACTIONS.items()}
-        phases = {phase: per_step[phase] for phase in HOST_PHASES if phase in per_step}
-        phases["optimizer step"] = per_step["optimizer_step action"] - sum(
-            per_step[p] for p in ("forward (training_step)", "backward", "gradient clipping"))
-        outside = ("fetch batch", "move batch to device", "run_training_batch", "callbacks")
-        phases["Lightning and everything else"] = wall / steps * 1e3 - sum(per_step[p] for p in outside)
+        actions_ms = {action: seconds / steps * 1e3 for action, seconds in sorted(host.items())}
         model, device = pl_module.model, pl_module.device
         history = [h for h in self.marks["history"] if h is not None]
         num_params = sum(p.numel() for p in model.parameters())
@@ -143,16 +140,28 @@ class StepProfiler(Callback):
             "compile_mode": model.config.compile_mode, "pad_tokens_to": model.config.pad_tokens_to,
             "wall_ms_per_step": wall / steps * 1e3,
             "device_ms_per_step": {family: us / steps / 1e3 for family, us in sorted(device_us.items())},
-            "host_ms_per_step": phases,
+            "host_ms_per_step": host_phases(actions_ms, wall / steps * 1e3),
             "syncs_per_step": {name: {"calls": calls / steps, "host_ms": us / steps / 1e3}
                                for name, (calls, us) in syncs.items()},
             "flops_per_step": self.marks["flops"] / steps, "tokens_per_step": self.marks["tokens"] / steps,
             "samples_per_step": self.marks["samples"] / steps, "min_bytes_per_step": min_bytes / max(len(history), 1),
             "peak_flops": peak_flops(device, dtype), "ceilings": ceilings,
-            "host_actions_ms_per_step": {action: seconds / steps * 1e3 for action, seconds in sorted(host.items())},
+            "host_actions_ms_per_step": actions_ms,
         }
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def host_phases(actions_ms: dict, wall_ms: float) -> dict:
+    """Per-step host ms of each HOST_PHASES entry from Lightning's per-action times."""
+    per = {name: sum(ms for action, ms in actions_ms.items() if re.search(pattern, action))
+           for name, pattern in HOST_ACTIONS.items()}
+    phases = {phase: per[phase] for phase in HOST_PHASES if phase in per}
+    phases["optimizer step"] = per["optimizer_step action"] - sum(
+        per[p] for p in ("forward (training_step)", "backward", "gradient clipping"))
+    outside = ("fetch batch", "move batch to device", "run_training_batch", "callbacks", "profiler's own hooks")
+    phases["Lightning and everything else"] = wall_ms - sum(per[p] for p in outside)
+    return {phase: phases[phase] for phase in HOST_PHASES}
 
 
 def measured_ceilings(device: torch.device) -> dict:
@@ -234,6 +243,13 @@ def render_markdown(reports: dict, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:  # re-render <out>.md from <out>.json, e.g. after a renderer change
+        saved = json.loads(Path(argv[1]).read_text())
+        for report in saved["reports"].values():
+            report["host_ms_per_step"] = host_phases(report["host_actions_ms_per_step"], report["wall_ms_per_step"])
+        Path(argv[1]).with_suffix(".md").write_text(render_markdown(saved["reports"], saved["command"]))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--attn", nargs="+", required=True)
     parser.add_argument("--config", action="append", default=[])
@@ -261,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         part.unlink()
     if not reports:
         return 1
-    full_command = "python -m benchmarks.profile_step " + shlex.join(sys.argv[1:] if argv is None else argv)
+    full_command = "python -m benchmarks.profile_step " + shlex.join(argv)
     Path(f"{args.out}.json").write_text(json.dumps({"command": full_command, "reports": reports}, indent=1) + "\n")
     markdown = render_markdown(reports, full_command)
     Path(f"{args.out}.md").write_text(markdown)

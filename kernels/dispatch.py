@@ -26,12 +26,14 @@ BACKEND_MODULES = {
     "tlx": "kernels.tlx_block_attention",
 }
 BACKENDS = ("auto", *BACKEND_MODULES)
-# What `auto` tries, fastest first, on a GPU; on a CPU it takes the reference alone (the Triton
-# interpreter is for tests and runs only when asked for by name). Measured on an H200
-# (benchmarks/results/attention_h200.md): the TLX kernels' device time beats or ties the Triton
-# ones' at every shape, and with the block table built once per batch and passed in, an eager
-# TLX call's host cost no longer decides the order.
+# What `auto` tries, fastest first, on a GPU (on a CPU it takes the reference alone: the Triton
+# interpreter is for tests and runs only when asked for by name). Measured on an H200: at head_dim
+# 128 the TLX kernels are faster than the Triton ones eager and replayed from CUDA graphs
+# (benchmarks/results/attention_h200.md); at head_dim 64 they tie in device time, and the compiled,
+# CUDA-graph training step of configs/gpu.yaml ran 2-3% faster with Triton in every seed
+# (benchmarks/results/compare_h200.md: 22.1 vs 22.5 ms median), so `auto` prefers Triton there.
 AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
+AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
 
 _loaded: dict[str, Backend] = {}
 # Whether a backend runs on a device does not change within a process; remembered, so that calls
@@ -64,8 +66,10 @@ def available_backends(device: torch.device | str) -> list[str]:
     return [name for name in AUTO_ORDER if backend_unavailable_reason(name, device) is None]
 
 
-def _auto_candidates(device: torch.device) -> tuple[str, ...]:
-    return ("reference",) if device.type == "cpu" else AUTO_ORDER
+def _auto_candidates(device: torch.device, head_dim: int = 128) -> tuple[str, ...]:
+    if device.type == "cpu":
+        return ("reference",)
+    return AUTO_ORDER if head_dim >= 128 else AUTO_ORDER_SMALL_HEAD_DIM
 
 
 def check_backend(name: str, device: torch.device | str) -> None:
@@ -97,7 +101,7 @@ def _resolve(name: str, q: torch.Tensor) -> Backend:
             raise ValueError(f"block_attention backend {name!r} does not support {reason}")
         return backend
     skipped = []
-    for candidate in _auto_candidates(q.device):
+    for candidate in _auto_candidates(q.device, q.shape[-1]):
         if backend_unavailable_reason(candidate, q.device) is not None:
             continue  # a missing GPU or package is expected, not worth a warning
         backend = get_backend(candidate)

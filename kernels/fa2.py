@@ -81,6 +81,9 @@ def _run(q, k, v, table: BlockTable, cos, sin, rotate_v, launch):
     return _run_ops(q, k, v, table, None, None, False, launch)
 
 
+_run.forward_op, _run.backward_op = _run_ops.forward_op, _run_ops.backward_op  # for opcheck in the tests
+
+
 BACKEND = Backend(
     name="fa2",
     how_to_get="run on an NVIDIA GPU with a CUDA build of PyTorch (optionally `pip install flash-attn`)",

@@ -12,7 +12,8 @@ import pandas as pd
 WARMUP_MIN_STEPS = 20
 WARMUP_FRACTION = 0.10
 STEP_TIME_RULE = (
-    f"step time (forward, backward and optimizer step; train.py synchronizes the GPU around it) excludes the "
+    f"step time (train.py's StepMetrics: from one training step's start to the next's, read from CUDA events, so "
+    f"data loading and Lightning's work count) excludes the "
     f"first max({WARMUP_MIN_STEPS}, {WARMUP_FRACTION:.0%} of the steps) steps, at most half of them, which compile "
     "and autotune kernels; median and p90 over the remaining logged steps of every seed together"
 )
