@@ -32,6 +32,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 
 import kernels
+import models.sharding as sharding  # also registers the "torchrec" strategy
 from data.baseline import logistic_regression_auc
 from data.batch import Batch
 from data.datamodule import CTRDataModule
@@ -144,12 +145,11 @@ class RankingTask(L.LightningModule):
             metric.reset()
 
     def configure_optimizers(self):
-        tables = (torch.nn.Embedding, torch.nn.EmbeddingBag)  # what torchrec's EBC/EC hold
-        embedding_ids = {id(p) for m in self.model.modules() if isinstance(m, tables) for p in m.parameters()}
+        # Under the torchrec strategy the sharded tables train with their fused sparse optimizer
+        # inside backward: the dense optimizer owns everything else (data_parallel tables included).
+        embedding_ids = sharding.embedding_parameter_ids(self.model)
         decay, no_decay = [], []
-        for parameter in self.model.parameters():
-            if not parameter.requires_grad:
-                continue
+        for _, parameter in sharding.dense_named_parameters(self.model):
             is_matrix = parameter.dim() >= 2 and id(parameter) not in embedding_ids
             (decay if is_matrix else no_decay).append(parameter)
         optim = self.optim_config
@@ -285,7 +285,8 @@ def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int) -> None:
 
 class RankingCLI(LightningCLI):
     """LightningCLI without subcommands: the config keys are run_name, runs_dir, attn, ckpt_path,
-    baseline, seed_everything, model (RankingTask), data (CTRDataModule) and trainer."""
+    dry_run, baseline, seed_everything, model (RankingTask), data (CTRDataModule), sharding
+    (models.sharding.ShardingConfig, used with trainer.strategy: torchrec) and trainer."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--run_name", type=str, default="default", help="runs go to <runs_dir>/<run_name>/version_N/")
@@ -306,6 +307,7 @@ class RankingCLI(LightningCLI):
             help="after training, fit a logistic regression (no feature interactions) on the same split "
             "and report both validation AUCs in <run folder>/baseline.json",
         )
+        parser.add_class_arguments(sharding.ShardingConfig, "sharding", instantiate=False)
         # The model's features are the dataset's: set by the data module, never in a config.
         parser.link_arguments("data", "model.schema", compute_fn=lambda data: data.schema.to_dict(),
                               apply_on="instantiate")
@@ -322,8 +324,8 @@ class RankingCLI(LightningCLI):
             if run_folder.name.startswith("version_") and run_folder.parent.name == config.run_name:
                 version = run_folder.name
         csv_logger = CSVLogger(config.runs_dir, name=config.run_name, version=version)
-        if version is not None:
-            continue_metrics(csv_logger, torch.load(config.ckpt_path, map_location="cpu", weights_only=True)["global_step"])
+        if version is not None:  # a .ckpt file, or the folder the torchrec strategy writes
+            continue_metrics(csv_logger, sharding.checkpoint_metadata(config.ckpt_path)["global_step"])
         loggers = [
             csv_logger,
             TensorBoardLogger(config.runs_dir, name=config.run_name, version=csv_logger.version,
@@ -338,6 +340,8 @@ class RankingCLI(LightningCLI):
             StepMetrics(config.model.peak_flops),
             *(self._get(self.config_init, "trainer", default={}).get("callbacks") or []),  # the config's own
         ]
+        if config.trainer.strategy == "torchrec":  # with this config's sharding, not the defaults
+            kwargs["strategy"] = sharding.TorchrecStrategy(sharding.ShardingConfig(**config.sharding.as_dict()))
         # The data module shards rows by rank itself (ShardedSampler), without repeating any.
         return super().instantiate_trainer(logger=loggers, callbacks=callbacks, use_distributed_sampler=False,
                                            **kwargs)

@@ -56,7 +56,8 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 
-    def _rows(self) -> torch.Tensor:
+    def rows(self) -> torch.Tensor:
+        """This rank's rows of the current epoch, in order."""
         if not self.shuffle:
             return torch.arange(self.rank, self.num_rows, self.world_size)
         order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch))
@@ -64,18 +65,28 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         return order[self.rank: per_rank * self.world_size: self.world_size]
 
     def __iter__(self):
-        return iter(self._rows()[self.consumed:].tolist())
+        return iter(self.rows()[self.consumed:].tolist())
 
     def __len__(self) -> int:
         # The whole epoch's share, also when resuming into it: Lightning counts the epoch's batches
         # from its start and resumes its own count where the checkpoint left off.
-        return len(self._rows()) if not self.shuffle else self.num_rows // self.world_size
+        return len(self.rows()) if not self.shuffle else self.num_rows // self.world_size
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+
+def even_batches(rows: torch.Tensor, total_rows: int, batch_size: int, world_size: int) -> list[list[int]]:
+    """One rank's rows (of `total_rows` shared by `world_size` ranks) in near-equal batches of at most
+    `batch_size`, as many as every other rank gets: a sharded model's lookups exchange rows between
+    the ranks at every batch, so all of them must run each one. Used for validation, where every
+    row must count once (training instead drops the few rows that would unbalance the ranks)."""
+    per_rank = -(-total_rows // world_size)
+    num_batches = max(1, -(-per_rank // batch_size))
+    return [chunk.tolist() for chunk in torch.tensor_split(rows, num_batches)]
 
 
 class CTRDataModule(lightning.LightningDataModule):
@@ -162,11 +173,15 @@ class CTRDataModule(lightning.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if not self.splits:
             raise RuntimeError("CTRDataModule: call prepare_data() and setup() before asking for dataloaders")
-        sampler = ShardedSampler(len(self.splits[split]), shuffle, self.args.seed, *self._rank_and_world())
+        rank, world_size = self._rank_and_world()
+        sampler = ShardedSampler(len(self.splits[split]), shuffle, self.args.seed, rank, world_size)
+        batching = dict(batch_size=self.batch_size, sampler=sampler)
+        if not shuffle and world_size > 1:
+            batching = dict(batch_sampler=even_batches(sampler.rows(), len(self.splits[split]), self.batch_size,
+                                                       world_size))
         return DataLoader(
             ArrowRows(self.splits[split]),
-            batch_size=self.batch_size,
-            sampler=sampler,
+            **batching,
             collate_fn=self.collate,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

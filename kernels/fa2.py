@@ -84,11 +84,5 @@ def _run(q, k, v, table: BlockTable, cos, sin, rotate_v, launch):
 _run.forward_op, _run.backward_op = _run_ops.forward_op, _run_ops.backward_op  # for opcheck in the tests
 
 
-BACKEND = Backend(
-    name="fa2",
-    how_to_get="run on an NVIDIA GPU with a CUDA build of PyTorch (optionally `pip install flash-attn`)",
-    unavailable_reason=fa2_unavailable_reason,
-    unsupported_reason=fa2_unsupported_reason,
-    run=_run,
-    fuses_rotary=False,
-)
+HOW_TO_GET = "run on an NVIDIA GPU with a CUDA build of PyTorch (optionally `pip install flash-attn`)"
+BACKEND = Backend("fa2", HOW_TO_GET, fa2_unavailable_reason, fa2_unsupported_reason, _run, fuses_rotary=False)

@@ -73,10 +73,4 @@ def _run(q, k, v, table, cos, sin, rotate_v, launch):
     return block_attention_reference(q, k, v, table, cos, sin, rotate_v)
 
 
-BACKEND = Backend(
-    name="reference",
-    how_to_get="it is pure PyTorch and always available",
-    unavailable_reason=lambda device: None,
-    unsupported_reason=no_unsupported_inputs,
-    run=_run,
-)
+BACKEND = Backend("reference", "it is pure PyTorch and always available", lambda device: None, no_unsupported_inputs, _run)

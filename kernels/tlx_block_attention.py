@@ -541,11 +541,6 @@ def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, r
 # autograd, so the backward never rebuilds it.
 _run_ops = kernel_ops("tlx", _forward, _backward)
 
-BACKEND = Backend(
-    name="tlx",
-    how_to_get="run on an sm_90 GPU (H100/H200) with TLX: `pip uninstall -y triton && pip install fbtriton==3.7.4`, "
-    "or `pip install triton-utlx==3.8.0.post16` with Triton 3.8 / torch 2.14",
-    unavailable_reason=tlx_unavailable_reason,
-    unsupported_reason=tlx_unsupported_reason,
-    run=_run_ops,
-)
+HOW_TO_GET = ("run on an sm_90 GPU (H100/H200) with TLX: `pip uninstall -y triton && pip install fbtriton==3.7.4`, "
+              "or `pip install triton-utlx==3.8.0.post16` with Triton 3.8 / torch 2.14")
+BACKEND = Backend("tlx", HOW_TO_GET, tlx_unavailable_reason, tlx_unsupported_reason, _run_ops)

@@ -319,10 +319,5 @@ def triton_unsupported_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-BACKEND = Backend(
-    name="triton",
-    how_to_get="run on a GPU Triton supports with `pip install triton`, or set TRITON_INTERPRET=1 on CPU",
-    unavailable_reason=triton_unavailable_reason,
-    unsupported_reason=triton_unsupported_reason,
-    run=_run_ops,
-)
+HOW_TO_GET = "run on a GPU Triton supports with `pip install triton`, or set TRITON_INTERPRET=1 on CPU"
+BACKEND = Backend("triton", HOW_TO_GET, triton_unavailable_reason, triton_unsupported_reason, _run_ops)

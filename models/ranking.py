@@ -206,7 +206,9 @@ class RankingModel(nn.Module):
         fixed_tokens = [dense_tokens]
         if self.categorical_names:
             pooled = self.categorical_embeddings(self._check_keys(batch.sparse, self.categorical_names, "sparse"))
-            categorical = pooled.values().view(batch_size, len(self.categorical_names), -1)
+            # By feature name: a sharded collection (models/sharding.py) returns its features grouped
+            # by shard, not in table order.
+            categorical = torch.stack([pooled[name] for name in self.categorical_names], dim=1)
             fixed_tokens.append(self.embedding_proj(categorical))
         fixed = torch.cat(fixed_tokens, dim=1)
         fixed = fixed + self.slot_embedding.weight[: self.num_fixed_tokens]

@@ -24,10 +24,10 @@ for s in "$@"; do
     parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ;;
     smoke) step smoke 300 python3 train.py "${GPU_DATA[@]}" --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
-    profile) step profile 580 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
-    profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --model.net.compile=false --model.net.pad_tokens_to=0 --model.optim.fused=false --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
+    profile) step profile 580 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
+    profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
     compare) step compare 590 bash -c 'python3 train.py compare --attn tlx triton fa2 reference "${@}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=500; cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/ 2>/dev/null; true' _ "${GPU_DATA[@]}" ;;
-    sharded) step sharded 400 python3 train.py "${GPU_DATA[@]}" --config configs/sharded.yaml --trainer.max_steps=1000 --run_name=sharded --runs_dir=/tmp/runs ;;
+    sharded) step sharded 580 python3 -m torch.distributed.run --standalone --nproc-per-node 1 train.py "${GPU_DATA[@]}" --config configs/sharded.yaml --trainer.devices=1 --runs_dir=/tmp/runs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

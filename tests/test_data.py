@@ -267,3 +267,34 @@ def test_datamodule_works_with_datasets_offline_env(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "100"
+
+
+@pytest.mark.parametrize("num_rows, world_size", [(300, 1), (300, 2), (301, 3), (5, 4)])
+def test_ranks_read_disjoint_rows_and_as_many_batches(num_rows, world_size):
+    """Training: every rank the same number of rows of one shared permutation, no row twice (at most
+    world_size - 1 rows of an epoch unused). Validation: every row exactly once, and every rank as
+    many batches (a sharded model's lookups need all ranks at every step)."""
+    from data.datamodule import ShardedSampler, even_batches
+
+    train = [list(ShardedSampler(num_rows, True, seed=3, rank=r, world_size=world_size)) for r in range(world_size)]
+    seen = [row for rows in train for row in rows]
+    assert len(set(seen)) == len(seen) and len(seen) > num_rows - world_size
+    assert len({len(rows) for rows in train}) == 1
+
+    validation = [ShardedSampler(num_rows, False, seed=0, rank=r, world_size=world_size).rows() for r in range(world_size)]
+    batches = [even_batches(rows, num_rows, 64, world_size) for rows in validation]
+    assert len({len(b) for b in batches}) == 1 and all(len(batch) <= 64 for b in batches for batch in b)
+    rows = sorted(row for rank_batches in batches for batch in rank_batches for row in batch)
+    assert rows == list(range(num_rows))
+
+
+def test_resumed_sampler_continues_the_epoch_where_it_stopped():
+    from data.datamodule import ShardedSampler
+
+    full = list(ShardedSampler(100, True, seed=1))
+    resumed = ShardedSampler(100, True, seed=1)
+    resumed.load_state_dict({"epoch": 0, "consumed": 37})
+    resumed.set_epoch(0)  # Lightning calls this before the epoch: the same epoch keeps the position
+    assert list(resumed) == full[37:]
+    resumed.set_epoch(1)  # a new epoch starts from its beginning, in another order
+    assert len(list(resumed)) == 100 and list(resumed) != full
