@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
@@ -324,7 +325,7 @@ class RankingCLI(LightningCLI):
             if run_folder.name.startswith("version_") and run_folder.parent.name == config.run_name:
                 version = run_folder.name
         csv_logger = CSVLogger(config.runs_dir, name=config.run_name, version=version)
-        if version is not None:  # a .ckpt file, or the folder the torchrec strategy writes
+        if version is not None and rank_zero_only.rank == 0:  # a .ckpt file, or the torchrec strategy's folder
             continue_metrics(csv_logger, sharding.checkpoint_metadata(config.ckpt_path)["global_step"])
         loggers = [
             csv_logger,

@@ -22,10 +22,10 @@ if HAS_TLX:
     from .tlx_block_attention import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
 
-# Tuning variants benchmarks/sweep_tlx.py times on the GPU: name -> (fwd knobs, bwd knobs), as
-# block_attention(..., backend="tlx", launch={"fwd": fwd, "bwd": bwd}) takes them ({} = the
-# production default; a knob value may be a {head_dim: value} dict). Each must compile here, so the sweep never finds out on
-# the GPU that a variant doesn't build.
+# Tuning variants that `python -m benchmarks.sweep --backend tlx` times on the GPU: name -> (fwd
+# knobs, bwd knobs), as block_attention(..., backend="tlx", launch={"fwd": fwd, "bwd": bwd}) takes
+# them ({} = the production default; a knob value may be a {head_dim: value} dict). Each must compile
+# here, so the sweep never finds out on the GPU that a variant doesn't build.
 TUNING_VARIANTS: dict[str, tuple[dict, dict]] = {
     "default": ({}, {}),
     # The first H200 run's kernels: shallow rings, O stored from registers.
@@ -107,7 +107,7 @@ def _source(cfg: AotConfig):
         constexprs.update(desc_cos=None, desc_sin=None)
     for name in outs:
         signature[name] = ptr
-    # num_blocks is counted_block_table's int64 scalar.
+    # num_blocks is the BlockTable's int64 scalar (kernels.blocks.block_table).
     signature.update(block_start_ptr="*i32", block_len_ptr="*i32", num_blocks_ptr="*i64", H="i32", stride_t="i32",
                      sm_scale="fp32")
     for name in constexprs:

@@ -2,7 +2,7 @@
 # Packs fbtriton 3.7.4 (cp312, the GPU image's Python) into one ~54 MB .gpu/fbtriton_slim.tar.xz
 # that fits a single device call (64 MiB), instead of five 49 MB parts: debug symbols stripped
 # from libtriton.so (530 -> 174 MB), and the profiler (CUPTI), instrumentation and Blackwell
-# ptxas left out; sm_90 compiles do not use them. benchmarks/gpu_install.sh unpacks it.
+# ptxas left out; sm_90 compiles do not use them. scripts/gpu_install.sh unpacks it.
 #     bash scripts/pack_fbtriton_slim.sh [WHEEL]   # default: reassembled from .offline/part1..5
 set -euo pipefail
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
