@@ -243,11 +243,11 @@ class StepMetrics(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=record["step"])
             shown = loss
-        self.pending = [r for r in self.pending if r not in logged]
+        self.pending = self.pending[len(logged):]  # the logged records are the oldest ones
         return shown
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        if trainer.training or trainer.state.fn == "fit":
+        if trainer.state.fn == "fit":  # the step before a validation ends at its own end
             self.flush(trainer, keep_last=False)
 
     def on_train_end(self, trainer, pl_module) -> None:
