@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from data.batch import ArrowBatchCollator
-from data.registry import DATASET_MODULES, DataArgs, dataset_spec
+from data.registry import DataArgs, dataset_spec
 from data.schema import FeatureSchema
 from data.storage import load_split, read_meta
 from data.validation import validate_table

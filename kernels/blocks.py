@@ -202,7 +202,7 @@ class BlockTable:
 def block_table(offsets: torch.Tensor, total_tokens: int | None = None) -> BlockTable:
     """The BlockTable of `offsets` (int32 [B+1]). Pass `total_tokens` (q.shape[0]) so nothing reads
     offsets[-1] back to the host. On CUDA it is one prefix sum and one Triton kernel; elsewhere torch ops.
-    The offsets are trusted here: kernels.block_attention checks them (check_offsets)."""
+    The offsets are trusted here: kernels.block_attention checks them (validate_offsets)."""
     if total_tokens is None:
         total_tokens = int(offsets[-1])
     offsets = offsets.to(torch.int32)

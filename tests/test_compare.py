@@ -11,7 +11,6 @@ import nbformat
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 import yaml
 from nbclient import NotebookClient
 

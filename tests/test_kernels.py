@@ -15,7 +15,6 @@ from kernels import (
     block_attention,
     block_attention_reference,
     block_table,
-    check_backend,
     offsets_from_lengths,
     rotary_tables,
 )

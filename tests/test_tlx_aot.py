@@ -10,7 +10,6 @@ loads fails here.
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
