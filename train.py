@@ -53,9 +53,10 @@ class OptimConfig:
         weight_decay: applied to weight matrices only, not to embeddings, norms or biases.
         warmup_steps: linear warmup, then cosine decay to min_lr_ratio * lr at the last step.
         min_lr_ratio: final learning rate as a fraction of lr.
-        fused: AdamW's fused CUDA kernel (one launch for every parameter). Lightning refuses gradient
-            clipping (trainer.gradient_clip_val) with it under mixed precision, so None = off; PyTorch's
-            default multi-tensor AdamW then runs.
+        fused: AdamW's fused CUDA kernel: one launch updates every parameter, where the default
+            multi-tensor AdamW issues a dozen launches and a host loop over the parameters each step.
+            None = fused when every parameter is on a GPU and the precision is not "16-mixed" (whose
+            gradient scaler must unscale before clipping, which a fused AdamW does inside its step).
     """
 
     lr: float = 1e-3
@@ -145,6 +146,18 @@ class RankingTask(L.LightningModule):
         for metric in (self.val_logloss, self.val_ctr, self.val_mean_prediction, self.val_auc):
             metric.reset()
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """trainer.gradient_clip_val, clipped here without a gradient scaler (fp32, bf16): Lightning's
+        own clipping refuses any fused optimizer under mixed precision, although only fp16's scaled
+        gradients need the optimizer to unscale first."""
+        if not gradient_clip_val or getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
+        else:  # "norm", Lightning's default; no host read: the scale stays on the device
+            torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val)
+
     def configure_optimizers(self):
         # Under the torchrec strategy the sharded tables train with their fused sparse optimizer
         # inside backward: the dense optimizer owns everything else (data_parallel tables included).
@@ -154,7 +167,9 @@ class RankingTask(L.LightningModule):
             is_matrix = parameter.dim() >= 2 and id(parameter) not in embedding_ids
             (decay if is_matrix else no_decay).append(parameter)
         optim = self.optim_config
-        fused = bool(optim.fused)
+        fused = optim.fused
+        if fused is None:
+            fused = all(p.is_cuda for p in decay + no_decay) and str(self.trainer.precision) != "16-mixed"
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=optim.lr, fused=fused,

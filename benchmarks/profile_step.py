@@ -4,16 +4,20 @@
         --out benchmarks/results/profile_step_h200
     python -m benchmarks.profile_step --config configs/tiny.yaml --attn reference --steps 4 --warmup 3 --out /tmp/p
 
-Each backend trains `warmup` steps, then `steps` steps under torch.profiler (CPU and CUDA activities)
-and Lightning's SimpleProfiler, through train.py itself (`--trainer.callbacks+=` this module's
-StepProfiler), so what is profiled is exactly what a user runs. Per step it reports:
+Each backend trains `warmup` steps, then `steps` steps timed without torch.profiler (wall time and
+Lightning's SimpleProfiler host phases, as a user's run spends them), then `steps` more under
+torch.profiler (CPU and CUDA activities) for what the device does, through train.py itself
+(`--trainer.callbacks+=` this module's StepProfiler), so what is measured is what a user runs. Per step:
 
-- device time by kernel family, from the profiler's GPU kernels and copies, summed;
-- host time by phase, from Lightning's SimpleProfiler (fetching the batch, forward, backward,
-  optimizer, Lightning's own work around them) and the host's waits for the device;
-- the step's wall time, MFU (models/flops.py over the device's dense bf16 datasheet peak), and its
-  speed of light: max(FLOPs / measured bf16 matmul rate, minimum bytes / measured copy bandwidth),
-  both rates measured in the same run, so the gap to the limit is one ratio.
+- wall time, MFU (models/flops.py over the device's dense bf16 datasheet peak) and the speed of
+  light: max(FLOPs / measured bf16 matmul rate, minimum bytes / measured copy bandwidth), both rates
+  measured in the same run, so the gap to the limit is one ratio (unprofiled window);
+- host time by phase (fetching the batch, forward, backward, clipping, optimizer, Lightning's own
+  work), from SimpleProfiler (unprofiled window);
+- device time by kernel family and the top kernels, the time the GPU was busy at all (the union of
+  its kernels' intervals: against the unprofiled wall time it tells a host-bound step from a
+  device-bound one), the host's waits for the device and the top host operators by self time
+  (profiled window; the profiler slows host operators, so read those as shares, not times).
 """
 
 import argparse
@@ -70,60 +74,84 @@ def kernel_family(name: str) -> str:
 
 
 class StepProfiler(Callback):
-    """Profiles training steps [warmup, warmup + steps) and writes `out` (JSON)."""
+    """Times training steps [warmup, warmup + steps) unprofiled, profiles the next `steps` steps and
+    writes `out` (JSON)."""
 
     def __init__(self, out: str, warmup: int = 20, steps: int = 10):
         self.out, self.warmup, self.steps = Path(out), warmup, steps
         self.profiler = None
         self.marks: dict = {}
 
+    @staticmethod
+    def _sync(pl_module) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.warmup:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if pl_module.device.type == "cuda":
-                torch.cuda.synchronize()
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
+        step = trainer.global_step
+        if step == self.warmup:
+            self._sync(pl_module)
             self.marks = {"wall": time.perf_counter(), "host": self._host_durations(trainer), "flops": 0,
                           "tokens": 0, "samples": 0, "history": []}
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
-        if self.profiler is not None:
+        if self.warmup <= step < self.warmup + self.steps:
             tokens, flops = pl_module.step_flops(batch)
             self.marks["flops"] += flops
             self.marks["tokens"] += tokens
             self.marks["samples"] += batch.batch_size
             self.marks["history"].append(batch.history_lengths)
+        if step == self.warmup + self.steps:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if pl_module.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+            self.marks["profiled_wall"] = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.profiler is None or trainer.global_step < self.warmup + self.steps:
-            return
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - self.marks["wall"]
-        self.profiler.__exit__(None, None, None)
-        host_after = self._host_durations(trainer)
-        host = {action: sum(host_after[action][len(self.marks["host"].get(action, [])):]) for action in host_after}
-        self._write(trainer, pl_module, self.profiler, wall, host)
-        self.profiler = None
-        trainer.should_stop = True
+        step = trainer.global_step  # already counts the step that just ended
+        if step == self.warmup + self.steps:
+            self._sync(pl_module)
+            self.marks["wall"] = time.perf_counter() - self.marks["wall"]
+            host_after = self._host_durations(trainer)
+            self.marks["host"] = {action: sum(host_after[action][len(self.marks["host"].get(action, [])):])
+                                  for action in host_after}
+        elif self.profiler is not None and step == self.warmup + 2 * self.steps:
+            self._sync(pl_module)
+            profiled_wall = time.perf_counter() - self.marks["profiled_wall"]
+            self.profiler.__exit__(None, None, None)
+            self._write(trainer, pl_module, self.profiler, self.marks["wall"], profiled_wall, self.marks["host"])
+            self.profiler = None
+            trainer.should_stop = True
 
     @staticmethod
     def _host_durations(trainer) -> dict:
         recorded = getattr(trainer.profiler, "recorded_durations", {})
         return {action: list(durations) for action, durations in recorded.items()}
 
-    def _write(self, trainer, pl_module, profiler, wall: float, host: dict) -> None:
+    def _write(self, trainer, pl_module, profiler, wall: float, profiled_wall: float, host: dict) -> None:
         from models.flops import peak_flops, train_step_min_bytes
 
         steps = self.steps
         device_us = defaultdict(float)
+        kernels = defaultdict(lambda: [0, 0.0])
+        intervals = []
         syncs = defaultdict(lambda: [0, 0.0])
+        host_ops = defaultdict(lambda: [0, 0.0])
         for event in profiler.events():
             # GPU-side spans of record_function ranges (Optimizer.step#AdamW.step, ...) are not work:
             # they cover the kernels inside them and the device's idle gaps between those.
-            if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
-                device_us[kernel_family(event.name)] += event.device_time
-            elif event.name in SYNC_OPS:
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                if not event.is_user_annotation:
+                    device_us[kernel_family(event.name)] += event.device_time
+                    kernels[event.name][0] += 1
+                    kernels[event.name][1] += event.device_time
+                    intervals.append((event.time_range.start, event.time_range.end))
+                continue
+            if event.is_user_annotation or event.name.startswith(("[pl]", "ProfilerStep")):
+                continue
+            host_ops[event.name][0] += 1
+            host_ops[event.name][1] += event.self_cpu_time_total
+            if event.name in SYNC_OPS:
                 syncs[event.name][0] += 1
                 syncs[event.name][1] += event.cpu_time
         actions_ms = {action: seconds / steps * 1e3 for action, seconds in sorted(host.items())}
@@ -139,7 +167,14 @@ class StepProfiler(Callback):
             "precision": str(trainer.precision), "compile": model.config.compile,
             "compile_mode": model.config.compile_mode, "pad_tokens_to": model.config.pad_tokens_to,
             "wall_ms_per_step": wall / steps * 1e3,
+            "profiled_wall_ms_per_step": profiled_wall / steps * 1e3,
+            "device_busy_ms_per_step": union_length(intervals) / steps / 1e3,
             "device_ms_per_step": {family: us / steps / 1e3 for family, us in sorted(device_us.items())},
+            "top_kernels": [{"name": name, "family": kernel_family(name), "calls_per_step": calls / steps,
+                             "ms_per_step": us / steps / 1e3}
+                            for name, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]],
+            "top_host_ops_profiled": [{"name": name, "calls_per_step": calls / steps, "self_ms_per_step": us / steps / 1e3}
+                                      for name, (calls, us) in sorted(host_ops.items(), key=lambda kv: -kv[1][1])[:TOP]],
             "host_ms_per_step": host_phases(actions_ms, wall / steps * 1e3),
             "syncs_per_step": {name: {"calls": calls / steps, "host_ms": us / steps / 1e3}
                                for name, (calls, us) in syncs.items()},
@@ -150,6 +185,19 @@ class StepProfiler(Callback):
         }
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+TOP = 20  # kernels and host operators listed per backend
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals (kernels of several streams)."""
+    covered, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered
 
 
 def host_phases(actions_ms: dict, wall_ms: float) -> dict:
@@ -197,7 +245,8 @@ def render_markdown(reports: dict, command: str) -> str:
         "# Where the training step's time goes",
         "",
         f"- device: {first['device']}; {first['precision']}; compile {first['compile']} ({first['compile_mode']}), "
-        f"pad_tokens_to {first['pad_tokens_to']}; {first['steps']} profiled steps after {first['warmup']} warmup steps",
+        f"pad_tokens_to {first['pad_tokens_to']}; after {first['warmup']} warmup steps, {first['steps']} steps timed "
+        f"without torch.profiler, then {first['steps']} under it",
         f"- command: `{command}`",
         f"- ceilings measured in each run: bf16 matmul {first['ceilings']['matmul_tflops'] or 0:.0f} TFLOP/s "
         f"(8192³), copy {first['ceilings']['copy_tbps'] or 0:.2f} TB/s",
@@ -209,7 +258,13 @@ def render_markdown(reports: dict, command: str) -> str:
     def row(label, values, fmt="{:.2f}"):
         lines.append(f"| {label} | " + " | ".join("—" if v is None else fmt.format(v) for v in values) + " |")
 
-    row("**wall time (ms)**", [r["wall_ms_per_step"] for r in reports.values()])
+    row("**wall time (ms)**, unprofiled", [r["wall_ms_per_step"] for r in reports.values()])
+    row("device busy (ms): union of its kernels' intervals, profiled",
+        [r.get("device_busy_ms_per_step") for r in reports.values()])
+    row("device busy / unprofiled wall", [r["device_busy_ms_per_step"] / r["wall_ms_per_step"] * 100
+                                          if r.get("device_busy_ms_per_step") else None for r in reports.values()],
+        "{:.0f}%")
+    row("wall time under torch.profiler (ms)", [r.get("profiled_wall_ms_per_step") for r in reports.values()])
     row("speed of light (ms): max(FLOPs/matmul rate, min bytes/copy BW)",
         [speed_of_light_ms(r) for r in reports.values()])
     row("wall / speed of light", [r["wall_ms_per_step"] / speed_of_light_ms(r) if speed_of_light_ms(r) else None
@@ -223,7 +278,7 @@ def render_markdown(reports: dict, command: str) -> str:
     for family in families:
         row(family, [r["device_ms_per_step"].get(family, 0.0) for r in reports.values()])
     row("all device work", [sum(r["device_ms_per_step"].values()) for r in reports.values()])
-    lines.append("| *host time (ms), by phase* |" + " |" * len(backends))
+    lines.append("| *host time (ms), by phase, unprofiled* |" + " |" * len(backends))
     for phase in HOST_PHASES:
         row(phase, [r["host_ms_per_step"].get(phase) for r in reports.values()])
     lines.append("| *host waits for the device* |" + " |" * len(backends))
@@ -239,6 +294,18 @@ def render_markdown(reports: dict, command: str) -> str:
         "and backward launch whole graphs, so their host time shrinks to the replay calls.",
         "",
     ]
+    for backend, report in reports.items():
+        if report.get("top_kernels"):
+            lines += [f"## Top kernels: {backend}", "", "| kernel | family | calls/step | ms/step |", "|---|---|---:|---:|"]
+            lines += [f"| `{k['name'][:100]}` | {k['family']} | {k['calls_per_step']:.1f} | {k['ms_per_step']:.3f} |"
+                      for k in report["top_kernels"]]
+            lines.append("")
+        if report.get("top_host_ops_profiled"):
+            lines += [f"## Top host operators by self time (under torch.profiler): {backend}", "",
+                      "| operator | calls/step | self ms/step |", "|---|---:|---:|"]
+            lines += [f"| `{o['name'][:100]}` | {o['calls_per_step']:.1f} | {o['self_ms_per_step']:.3f} |"
+                      for o in report["top_host_ops_profiled"]]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -262,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         part = Path(f"{args.out}.{backend}.json")
         command = [
             sys.executable, str(REPO / "train.py"), *[a for c in args.config for a in ("--config", c)], *passthrough,
-            f"--attn={backend}", f"--trainer.max_steps={args.warmup + args.steps + 1}", "--trainer.profiler=simple",
+            f"--attn={backend}", f"--trainer.max_steps={args.warmup + 2 * args.steps + 1}", "--trainer.profiler=simple",
             "--trainer.val_check_interval=100000", "--trainer.limit_val_batches=0",
             "--trainer.callbacks+=benchmarks.profile_step.StepProfiler", f"--trainer.callbacks.out={part}",
             f"--trainer.callbacks.warmup={args.warmup}", f"--trainer.callbacks.steps={args.steps}",

@@ -7,9 +7,14 @@ Every sample becomes one jagged sequence of d_model tokens, in this order:
 The first two groups have a fixed size per sample (the "fixed" tokens); history
 items come from each sequence feature in schema order, so a sample's length is
 n_fixed + sum of its history lengths. All samples are concatenated into a
-(total_tokens, d_model) tensor described by int32 `offsets` [B+1], which is the
-layout block_attention consumes: each sequence is cut into 64-token blocks from
-its start and a token only attends within its block.
+(total_tokens, d_model) tensor described by int32 `offsets`, which is the layout
+block_attention consumes: each sequence is cut into 64-token blocks from its
+start and a token only attends within its block. One more sequence follows the
+samples: the pad tokens (RankingModelConfig.pad_tokens_to; empty without padding).
+
+The model is two parts: RankingModel.embed runs the torchrec embedding lookups
+eagerly (sharded or not, models/sharding.py), and DenseTower does everything
+after them on plain tensors, so it compiles into one graph.
 """
 
 from dataclasses import dataclass
@@ -45,13 +50,13 @@ class RankingModelConfig:
         rotary_within_block: rotary positions restart at every 64-token block.
         rotate_v: rotate v as well as q and k.
         attn_backend: block_attention backend: auto, reference, fa2, triton or tlx.
-        compile: torch.compile the token-interaction stack (attention layers, norm, pooling, head);
-            the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
-        compile_mode: torch.compile's mode; "reduce-overhead" also replays the stack from CUDA graphs,
+        compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
+            head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
+        compile_mode: torch.compile's mode; "reduce-overhead" also replays the tower from CUDA graphs,
             which wants few distinct token counts: set pad_tokens_to.
         pad_tokens_to: round each batch's token count up to a multiple of this (0: no padding), with
             the pad tokens as one extra sequence that no real token attends to and pooling ignores,
-            so a compiled stack sees a few shapes instead of one per batch.
+            so a compiled tower sees a few shapes instead of one per batch.
     """
 
     d_model: int = 64
@@ -91,14 +96,28 @@ class RankingModelConfig:
 
 @dataclass
 class JaggedTokens:
-    values: torch.Tensor  # (total_tokens, d_model)
-    offsets: torch.Tensor  # int32 [B+1]
-    sample_ids: torch.Tensor  # int64 (total_tokens,): which sample each token belongs to
-    lengths: torch.Tensor  # int64 [B]
+    values: torch.Tensor  # (total_tokens, d_model), pad tokens included
+    offsets: torch.Tensor  # int32 [B+2]: the B samples, then the pad sequence (empty when nothing is padded)
+    sample_ids: torch.Tensor  # int64 (total_tokens,): which sequence each token belongs to (B for pad tokens)
+    lengths: torch.Tensor  # int64 [B+1]
 
     @property
     def num_tokens(self) -> int:
         return self.values.shape[0]
+
+
+@dataclass
+class EmbeddedFeatures:
+    """A batch after its embedding lookups: plain tensors, the input of DenseTower."""
+
+    dense: torch.Tensor  # float [B, max(len(schema.dense), 1)]
+    categorical: torch.Tensor  # [B, n_categorical, embedding_dim]: pooled embeddings in schema order
+    # [M, embedding_dim]: every sequence feature's item embeddings, feature after feature and sample
+    # after sample within a feature (a KeyedJaggedTensor's order), then M - items zero rows, which
+    # become the pad tokens (RankingModelConfig.pad_tokens_to)
+    history: torch.Tensor
+    history_lengths: torch.Tensor  # int [n_sequence, B]: items of each feature in each sample
+    num_tokens: int  # real tokens, without the pad tokens (known on the host, for token and FLOP counts)
 
 
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
@@ -123,41 +142,100 @@ class AttentionLayer(nn.Module):
         qkv = self.qkv(self.attn_norm(x)).view(num_tokens, 3, self.num_heads, self.head_dim)
         # Views of one projection: the kernels read them in place (shared strides), no copies.
         q, k, v = qkv.unbind(dim=1)
-        # The table and rotary tables are built once per batch (TokenInteraction.forward).
+        # The table and rotary tables are built once per batch (DenseTower.forward).
         attn = block_attention(q, k, v, table, rotary=rotary, backend=self.attn_backend)
         x = x + self.out_proj(attn.reshape(num_tokens, d_model))
         return x + self.mlp(self.mlp_norm(x))
 
 
-class TokenInteraction(nn.Module):
-    """The dense, token-parallel part of the model: attention layers over the jagged tokens, final
-    norm, mean pooling per sample and the logit head. It takes plain tensors, so torch.compile
-    sees one graph whatever the batch (RankingModelConfig.compile)."""
+class DenseTower(nn.Module):
+    """Everything after the embedding lookups: the dense-feature MLP and the embedding projection
+    make the tokens, which are laid out as one jagged sequence per sample, then the attention
+    layers, final norm, mean pooling per sample and the logit head. It takes plain tensors of
+    shapes that the padding keeps to a few (RankingModelConfig.pad_tokens_to), so torch.compile
+    makes one graph of it and CUDA graphs replay it: one launch instead of hundreds of small ops,
+    and no matmul of a new shape per batch (whose cuBLAS heuristics cost host time)."""
 
-    def __init__(self, config: RankingModelConfig):
+    def __init__(self, config: RankingModelConfig, num_dense: int, num_categorical: int, num_sequence: int):
         super().__init__()
         self.config = config
+        self.num_fixed_tokens = config.n_dense_tokens + num_categorical
+        self.num_sequence = num_sequence
+        d = config.d_model
+        self.dense_mlp = mlp(max(num_dense, 1), config.mlp_ratio * d, config.n_dense_tokens * d)
+        self.embedding_proj = nn.Linear(config.embedding_dim, d)
+        # One learned vector per token slot (each dense token, each categorical
+        # feature, each sequence feature) so attention can tell the features apart.
+        self.slot_embedding = nn.Embedding(self.num_fixed_tokens + num_sequence, d)
         self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
         self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
-        self.final_norm = nn.LayerNorm(config.d_model)
-        self.head = mlp(config.d_model, config.mlp_ratio * config.d_model, 1)
+        self.final_norm = nn.LayerNorm(d)
+        self.head = mlp(d, config.mlp_ratio * d, 1)
 
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor, sample_ids: torch.Tensor,
-                lengths: torch.Tensor) -> torch.Tensor:
-        """values (T, d_model), int32 offsets [B+1], sample_ids int64 (T,), lengths int64 [B] -> logits [B]."""
+    def build_tokens(self, dense: torch.Tensor, categorical: torch.Tensor, history: torch.Tensor,
+                     history_lengths: torch.Tensor) -> JaggedTokens:
+        """Sample b's tokens start at offsets[b]: its fixed tokens (dense, then one per categorical)
+        first, then each sequence feature's items, so history item i of feature f in sample b goes to
+        offsets[b] + n_fixed + (items of b's earlier features) + i. The zero rows after the items
+        become the pad tokens, one extra sequence at the end. Only tensor ops of static shapes, with
+        no value read back to the host."""
+        batch_size, num_rows, d = dense.shape[0], history.shape[0], self.config.d_model
+        n_fixed, device = self.num_fixed_tokens, dense.device
+        slot = self.slot_embedding.weight
+        dense_tokens = self.dense_mlp(dense).view(batch_size, self.config.n_dense_tokens, d)
+        fixed = torch.cat([dense_tokens, self.embedding_proj(categorical)], dim=1) + slot[:n_fixed]
+
+        rows = torch.arange(num_rows, device=device)
+        if self.num_sequence:
+            lengths = history_lengths.long()  # [n_sequence, B]
+            per_list = lengths.reshape(-1)  # one entry per (feature, sample) list, in the rows' order
+            list_end = torch.cumsum(per_list, 0)
+            list_of_row = torch.searchsorted(list_end, rows, right=True)  # == per_list.numel() for pad rows
+            is_pad = list_of_row >= per_list.numel()
+            list_of_row = list_of_row.clamp(max=per_list.numel() - 1)
+            items = lengths.sum(0)  # [B]
+            token_lengths = n_fixed + items
+            starts = torch.cumsum(token_lengths, 0) - token_lengths
+            items_before = (torch.cumsum(lengths, 0) - lengths).reshape(-1)  # of the sample's earlier features
+            index_in_list = rows - (list_end - per_list)[list_of_row]
+            destination = starts[list_of_row % batch_size] + n_fixed + items_before[list_of_row] + index_in_list
+            feature = list_of_row // batch_size
+        else:
+            items = torch.zeros(batch_size, dtype=torch.long, device=device)
+            token_lengths = torch.full_like(items, n_fixed)
+            starts = torch.arange(batch_size, device=device) * n_fixed
+            is_pad, destination, feature = torch.ones_like(rows, dtype=torch.bool), rows, torch.zeros_like(rows)
+        # Pad row r (r >= the real items) goes right after the real tokens: B * n_fixed + r.
+        destination = torch.where(is_pad, batch_size * n_fixed + rows, destination)
+        # Pad rows take some slot's vector too (clamped: a schema without sequences has no history slot).
+        history_tokens = self.embedding_proj(history) + slot[(n_fixed + feature).clamp(max=slot.shape[0] - 1)]
+
+        fixed_destination = (starts[:, None] + torch.arange(n_fixed, device=device)).reshape(-1)
+        sources = torch.cat([fixed.reshape(-1, d), history_tokens.to(fixed.dtype)])
+        num_tokens = batch_size * n_fixed + num_rows
+        values = sources.new_empty(num_tokens, d).index_copy(0, torch.cat([fixed_destination, destination]), sources)
+        lengths = torch.cat([token_lengths, (num_rows - items.sum()).view(1)])  # samples, then the pad sequence
+        offsets = F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)  # block_attention takes int32
+        sample_ids = torch.repeat_interleave(torch.arange(batch_size + 1, device=device), lengths,
+                                             output_size=num_tokens)
+        return JaggedTokens(values=values, offsets=offsets, sample_ids=sample_ids, lengths=lengths)
+
+    def forward(self, dense: torch.Tensor, categorical: torch.Tensor, history: torch.Tensor,
+                history_lengths: torch.Tensor) -> torch.Tensor:
+        """EmbeddedFeatures' tensors -> logits [B]."""
+        tokens = self.build_tokens(dense, categorical, history, history_lengths)
+        x, offsets, num_tokens = tokens.values, tokens.offsets, tokens.num_tokens
         # Every layer attends within the same blocks and rotates by the same positions: build the
         # block table and cos/sin tables once per batch, not once per layer.
-        table = block_table(offsets, values.shape[0])
-        cos, sin = rotary_tables(self.rotary, offsets, values.shape[0], self.config.head_dim)
+        table = block_table(offsets, num_tokens)
+        cos, sin = rotary_tables(self.rotary, offsets, num_tokens, self.config.head_dim)
         rotary = Rotary(rotate_v=self.config.rotate_v, cos=cos, sin=sin)
-        x = values
         for layer in self.layers:
             x = layer(x, table, rotary)
         x = self.final_norm(x)
-        # Mean over each sample's tokens; every sample has >= n_fixed >= 1 tokens (a pad sequence,
-        # which may be empty, is divided by at least 1 and dropped by the caller).
-        summed = x.new_zeros(lengths.shape[0], x.shape[1]).index_add(0, sample_ids, x)
-        pooled = summed / lengths.clamp(min=1)[:, None].to(x.dtype)
+        # Mean over each sample's tokens (every sample has >= n_fixed >= 1); the pad sequence is dropped.
+        summed = x.new_zeros(tokens.lengths.shape[0], x.shape[1]).index_add(0, tokens.sample_ids, x)
+        pooled = summed[:-1] / tokens.lengths[:-1].clamp(min=1)[:, None].to(x.dtype)
         return self.head(pooled).squeeze(-1)
 
 
@@ -168,10 +246,7 @@ class RankingModel(nn.Module):
         # Lists, not tuples: they are compared with KeyedJaggedTensor.keys(), a list.
         self.categorical_names = list(schema.categorical_names)
         self.sequence_names = list(schema.sequence_names)
-        self.num_fixed_tokens = config.n_dense_tokens + len(schema.categorical)
-        d, e = config.d_model, config.embedding_dim
-
-        self.dense_mlp = mlp(max(len(schema.dense), 1), config.mlp_ratio * d, config.n_dense_tokens * d)
+        e = config.embedding_dim
         # Plain (unsharded, unfused) torchrec modules run on CPU and CUDA alike.
         self.categorical_embeddings = EmbeddingBagCollection(
             tables=[
@@ -187,65 +262,39 @@ class RankingModel(nn.Module):
             ],
             device=torch.device("cpu"),
         )
-        self.embedding_proj = nn.Linear(e, d)
-        # One learned vector per token slot (each dense token, each categorical
-        # feature, each sequence feature) so attention can tell the features apart.
-        self.slot_embedding = nn.Embedding(self.num_fixed_tokens + len(schema.sequence), d)
-        self.interaction = TokenInteraction(config)
+        self.tower = DenseTower(config, len(schema.dense), len(schema.categorical), len(schema.sequence))
         if config.compile:
-            # In place, so the state dict keeps its keys; the first batch compiles, later token
-            # counts reuse the graph (dynamic shapes) or, under CUDA graphs, one recording per size.
-            self.interaction.compile(mode=config.compile_mode, dynamic=True)
+            # In place, so the state dict keeps its keys; the first batch compiles, later shapes reuse
+            # the graph (dynamic shapes) or, under CUDA graphs, one recording per padded size.
+            self.tower.compile(mode=config.compile_mode, dynamic=True)
 
-    def build_tokens(self, batch: Batch) -> JaggedTokens:
-        """Embed every feature and lay the tokens out as one jagged sequence per sample."""
-        batch_size, d = batch.labels.shape[0], self.config.d_model
-        device = batch.labels.device
-        dense_input = batch.dense if len(self.schema.dense) else batch.labels.new_zeros(batch_size, 1)
-        dense_tokens = self.dense_mlp(dense_input).view(batch_size, self.config.n_dense_tokens, d)
-        fixed_tokens = [dense_tokens]
+    def embed(self, batch: Batch) -> EmbeddedFeatures:
+        """The embedding lookups (eager: torchrec's modules, sharded or not) and the padding."""
+        batch_size, e = batch.labels.shape[0], self.config.embedding_dim
+        dense = batch.dense if len(self.schema.dense) else batch.labels.new_zeros(batch_size, 1)
         if self.categorical_names:
             pooled = self.categorical_embeddings(self._check_keys(batch.sparse, self.categorical_names, "sparse"))
             # By feature name: a sharded collection (models/sharding.py) returns its features grouped
             # by shard, not in table order.
             categorical = torch.stack([pooled[name] for name in self.categorical_names], dim=1)
-            fixed_tokens.append(self.embedding_proj(categorical))
-        fixed = torch.cat(fixed_tokens, dim=1)
-        fixed = fixed + self.slot_embedding.weight[: self.num_fixed_tokens]
-
-        # Sample b's tokens start at offsets[b]; its fixed tokens come first, then
-        # each sequence feature's items, so a history item's destination is
-        # offsets[b] + n_fixed + (items of earlier features in b) + (index in its list).
-        history_lengths, history_values = [], []
+        else:
+            categorical = dense.new_zeros(batch_size, 0, e)
         if self.sequence_names:
             jagged = self.sequence_embeddings(self._check_keys(batch.sequence, self.sequence_names, "sequence"))
-            for slot, name in enumerate(self.sequence_names, start=self.num_fixed_tokens):
-                history_lengths.append(jagged[name].lengths().long())
-                history_values.append(self.embedding_proj(jagged[name].values()) + self.slot_embedding.weight[slot])
-        fixed_lengths = torch.full((batch_size,), self.num_fixed_tokens, dtype=torch.long, device=device)
-        lengths = sum(history_lengths, fixed_lengths)
-        offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))
-        starts = offsets[:-1]
-        num_tokens = batch_size * self.num_fixed_tokens + sum(v.shape[0] for v in history_values)
+            item_rows = [jagged[name].values() for name in self.sequence_names]
+            history_lengths = torch.stack([jagged[name].lengths() for name in self.sequence_names])
+        else:
+            item_rows, history_lengths = [], torch.zeros(0, batch_size, dtype=torch.int32, device=dense.device)
+        num_tokens = batch_size * self.tower.num_fixed_tokens + sum(rows.shape[0] for rows in item_rows)
+        pad = -num_tokens % self.config.pad_tokens_to if self.config.pad_tokens_to else 0
+        history = torch.cat([*item_rows, dense.new_zeros(pad, e, dtype=item_rows[0].dtype if item_rows else None)])
+        return EmbeddedFeatures(dense=dense, categorical=categorical, history=history,
+                                history_lengths=history_lengths, num_tokens=num_tokens)
 
-        fixed_dest = (starts[:, None] + torch.arange(self.num_fixed_tokens, device=device)).reshape(-1)
-        destinations, sources = [fixed_dest], [fixed.reshape(-1, d)]
-        items_before = torch.full_like(lengths, self.num_fixed_tokens)
-        for feature_lengths, values in zip(history_lengths, history_values):
-            owner = torch.repeat_interleave(
-                torch.arange(batch_size, device=device), feature_lengths, output_size=values.shape[0]
-            )
-            feature_starts = torch.cumsum(feature_lengths, 0) - feature_lengths
-            index_in_list = torch.arange(values.shape[0], device=device) - feature_starts[owner]
-            destinations.append(starts[owner] + items_before[owner] + index_in_list)
-            sources.append(values)
-            items_before = items_before + feature_lengths
-        source = torch.cat(sources).to(fixed.dtype)
-        values = source.new_empty(num_tokens, d).index_copy(0, torch.cat(destinations), source)
-
-        sample_ids = torch.repeat_interleave(torch.arange(batch_size, device=device), lengths, output_size=num_tokens)
-        # block_attention takes int32 offsets; the index arithmetic above stays int64.
-        return JaggedTokens(values=values, offsets=offsets.to(torch.int32), sample_ids=sample_ids, lengths=lengths)
+    def build_tokens(self, batch: Batch) -> JaggedTokens:
+        """The jagged tokens DenseTower attends over (for inspection and tests; forward builds them inside the tower)."""
+        features = self.embed(batch)
+        return self.tower.build_tokens(features.dense, features.categorical, features.history, features.history_lengths)
 
     @staticmethod
     def _check_keys(features: KeyedJaggedTensor, names: list[str], kind: str) -> KeyedJaggedTensor:
@@ -255,20 +304,11 @@ class RankingModel(nn.Module):
             raise ValueError(f"batch.{kind} has keys {features.keys()}; the schema expects {names}, in that order")
         return features
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, JaggedTokens]:
-        """Returns logits [B] and the jagged tokens (for token counts)."""
-        tokens = self.build_tokens(batch)
-        values, offsets, sample_ids, lengths = tokens.values, tokens.offsets, tokens.sample_ids, tokens.lengths
-        pad = -tokens.num_tokens % self.config.pad_tokens_to if self.config.pad_tokens_to else 0
-        if self.config.pad_tokens_to:
-            # The pad tokens form one extra sequence at the end (even when pad is 0, so the sample
-            # count, and with it every shape, stays the same from batch to batch).
-            values = torch.cat([values, values.new_zeros(pad, values.shape[1])])
-            offsets = torch.cat([offsets, offsets[-1:] + pad])
-            lengths = torch.cat([lengths, lengths.new_full((1,), pad)])
-            sample_ids = torch.cat([sample_ids, sample_ids.new_full((pad,), lengths.shape[0] - 1)])
-        logits = self.interaction(values, offsets, sample_ids, lengths)
-        return logits[: tokens.lengths.shape[0]], tokens
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """Returns logits [B] and the batch's real token count (without pad tokens)."""
+        features = self.embed(batch)
+        logits = self.tower(features.dense, features.categorical, features.history, features.history_lengths)
+        return logits, features.num_tokens
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float())

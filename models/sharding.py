@@ -27,7 +27,7 @@ What happens in shard_model, in order:
    and broadcasts the plan, or the error, so that a plan that does not fit fails on every rank.
 4. DistributedModelParallel shards the tables and wraps the rest of the model in DDP. A sharded
    EmbeddingBagCollection returns its features grouped by shard, not in table order: models read
-   its KeyedTensor by feature name (RankingModel.build_tokens does).
+   its KeyedTensor by feature name (RankingModel.embed does).
 5. The unsharded table values are copied into the shards (copy_weights), so a sharded run starts
    from exactly the single-process initialization. torchrec keeps the unsharded EmbeddingBagCollection
    parameters referenced (its sharding infos), so tables too large for host memory must be built on
@@ -116,7 +116,10 @@ class SparseOptimizerConfig:
     Args:
         name: rowwise_adagrad (one accumulator per row: the recsys default), adagrad, adam (CUDA
             only) or sgd.
-        lr: learning rate (constant: Lightning's schedulers drive the dense optimizer only).
+        lr: learning rate; under TorchrecStrategy scaled each step as the dense optimizer's is.
+        lr_schedule: "dense": each step the sparse lr is lr times the dense learning rate's current
+            fraction of its base (warmup, decay), as torchrec's DLRM example schedules both with one
+            policy; "constant": lr throughout.
         eps: added to the denominator (adagrad, adam).
         weight_decay: 0 disables it. fbgemm implements it for rowwise_adagrad (not on CPU for pooled
             tables, whose CPU kernel drops it) and adam only.
@@ -127,6 +130,7 @@ class SparseOptimizerConfig:
 
     name: str = "rowwise_adagrad"
     lr: float = 0.01
+    lr_schedule: str = "dense"
     eps: float = 1e-8
     weight_decay: float = 0.0
     weight_decay_mode: str | None = None
@@ -136,6 +140,8 @@ class SparseOptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse optimizer {self.name!r} is not one of {', '.join(SPARSE_OPTIMIZERS)}")
+        if self.lr_schedule not in ("dense", "constant"):
+            raise ValueError(f"sparse optimizer lr_schedule {self.lr_schedule!r} is not 'dense' or 'constant'")
         if self.weight_decay_mode is None:
             self.weight_decay_mode = "decoupled" if self.name == "adam" else "l2"
         if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
@@ -1110,6 +1116,7 @@ class TorchrecStrategy(DDPStrategy):
         )
         self.sharding = ShardingConfig(**sharding) if isinstance(sharding, Mapping) else (sharding or ShardingConfig())
         self.plan: ShardingPlan | None = None
+        self.sparse: CombinedOptimizer | None = None  # the tables' fused optimizer, once sharded
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -1159,6 +1166,7 @@ class TorchrecStrategy(DDPStrategy):
             module = self.model
             self.model, self.plan = shard_model(module, self.sharding, device=self.root_device, ddp_kwargs=self._ddp_kwargs)
             module.__dict__[_SHARDED_ATTRIBUTE] = (self.model, self.sharding, self.plan)  # not a submodule
+        self.sparse = sparse_optimizer(self.model)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -1175,6 +1183,25 @@ class TorchrecStrategy(DDPStrategy):
                 group["params"] = kept
         if removed:
             rank_zero_info(f"TorchrecStrategy: {removed} fused table parameter(s) left to the sparse optimizer")
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._schedule_sparse_lr()
+        return super().training_step(*args, **kwargs)
+
+    def _schedule_sparse_lr(self) -> None:
+        """Sets this step's sparse learning rate before its backward, where the fused update runs
+        (sharding.optimizer.lr_schedule "dense": scaled as the first dense scheduler scales its lr)."""
+        if self.sparse is None or self.sharding.optimizer.lr_schedule != "dense":
+            return
+        configs = self.lightning_module.trainer.lr_scheduler_configs
+        fraction = 1.0
+        if configs:
+            scheduler = configs[0].scheduler
+            base = scheduler.base_lrs[0]
+            fraction = scheduler.get_last_lr()[0] / base if base else 1.0
+        for group in self.sparse.param_groups:
+            group["lr"] = self.sharding.optimizer.lr * fraction
+        self.sparse.step()  # only hands the lr to the fused kernels: their update runs inside backward
 
     def _check_same_batch_counts(self, what: str, counts: Any) -> None:
         """Every sharded lookup is a collective: a rank with fewer batches leaves the others waiting

@@ -3,7 +3,10 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke, bench, profile, profile_eager, compare, sharded.
+# Steps: env, parity, smoke, bench, profile, profile_eager, sharding_cuda, compare_start, compare_wait, sharded.
+# compare_start starts the comparison (longer than one call may run) in its own process session, which
+# outlives the call while the machine stays warm; compare_wait, in later calls, waits for it (up to 570 s)
+# (COMPARE_WAIT_S, default 570) and copies its report, or the runs so far, to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 # In-process inductor compiles: its compile subprocesses failed under fbtriton on torch 2.11 (first H200 run).
@@ -22,11 +25,18 @@ for s in "$@"; do
   case $s in
     env) step env 120 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, triton.__file__); import triton.language.extra.tlx; print(\"tlx ok\")"; python3 -c "import torchrec, datasets, lightning, jsonargparse, fbgemm_gpu; print(\"torchrec\", torchrec.__version__, \"datasets\", datasets.__version__, \"lightning\", lightning.__version__, \"fbgemm_gpu\", fbgemm_gpu.__file__)"' ;;
     parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ;;
-    smoke) step smoke 300 python3 train.py "${GPU_DATA[@]}" --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
+    smoke) step smoke 300 python3 train.py "${GPU_DATA[@]}" --attn=tlx --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
-    profile) step profile 580 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
+    profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
-    compare) step compare 590 bash -c 'python3 train.py compare --attn tlx triton fa2 reference "${@}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=500; cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/ 2>/dev/null; true' _ "${GPU_DATA[@]}" ;;
+    sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
+    compare_start) setsid nohup python3 train.py compare --attn tlx triton fa2 reference --variant tlx_sharded tlx configs/sharded.yaml "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=500 > /tmp/compare_h200.log 2>&1 < /dev/null &
+      summary+=("compare_start: started, log /tmp/compare_h200.log") ;;
+    compare_wait) for _ in $(seq $(( ${COMPARE_WAIT_S:-570} / 5 ))); do pgrep -f "train.py compare" > /dev/null || break; sleep 5; done
+      cp /tmp/compare_h200.log "$OUT"/compare.log; cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/ 2>/dev/null
+      # The runs so far, without checkpoints: `python -m benchmarks.compare report` renders them here if the machine goes.
+      tar czf "$OUT"/compare_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp compare_h200 2>/dev/null
+      summary+=("compare_wait: $(pgrep -f 'train.py compare' > /dev/null && echo still running || echo finished) :: $(grep -E '^\[' /tmp/compare_h200.log | tail -2 | tr '\n' ' ')") ;;
     sharded) step sharded 580 python3 -m torch.distributed.run --standalone --nproc-per-node 1 train.py "${GPU_DATA[@]}" --config configs/sharded.yaml --trainer.devices=1 --runs_dir=/tmp/runs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

@@ -203,6 +203,26 @@ def test_warmup_rule():
     assert [compare_verdict.warmup_steps(n) for n in (2000, 1000, 100, 24, 1)] == [200, 100, 20, 12, 0]
 
 
+def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(tmp_path):
+    """--variant: the torchrec-sharded path (one gloo process) next to the plain one, as on the H200."""
+    out = tmp_path / "out"
+    args = ["--attn", "reference", "reference", "--variant", "reference_sharded", "reference", "configs/sharded.yaml",
+            *TINY, "--out", str(out), f"--data.data_dir={tmp_path / 'cache'}"]
+    result = subprocess.run([sys.executable, "-m", "benchmarks.compare", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "compare.json").read_text())
+    assert report["backends"] == {"reference": "reference", "reference_2": "reference", "reference_sharded": "reference"}
+    assert all(r["status"] == "ok" for r in report["runs"]) and len(report["runs"]) == 6
+    for seed in (0, 1):
+        config = yaml.safe_load((out / "runs" / f"reference_sharded-seed{seed}" / "version_0" / "config.yaml").read_text())
+        assert config["trainer"]["strategy"] == "torchrec" and config["seed_everything"] == seed
+        plain = yaml.safe_load((out / "runs" / f"reference-seed{seed}" / "version_0" / "config.yaml").read_text())
+        assert plain["trainer"]["strategy"] == "auto"
+    assert "reference_sharded" in report["parity"]["backends"]
+    assert "- variant reference_sharded: reference with configs/sharded.yaml" in (out / "compare.md").read_text()
+
+
 # ------------------------------------------------------------------------------------- bad input
 
 
@@ -215,6 +235,11 @@ def test_warmup_rule():
         (["--attn", "reference", "reference", "--seed_everything=3"], "sets --seed_everything itself"),
         (["--attn", "reference", "reference", "--model.net.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
         (["--attn", "reference", "reference", "--model.net.bogus=3"], "bogus"),
+        (["--attn", "reference", "reference", "--variant", "x", "reference"], "give LABEL BACKEND CONFIG"),
+        (["--attn", "reference", "reference", "--variant", "reference", "reference", "configs/tiny.yaml"],
+         "--variant label 'reference' must be new"),
+        (["--attn", "reference", "reference", "--variant", "x", "bogus", "configs/tiny.yaml"], "backend 'bogus'"),
+        (["--attn", "reference", "reference", "--variant", "x", "reference", "configs/missing.yaml"], "missing.yaml"),
     ],
 )
 def test_bad_arguments_give_a_clear_error_before_anything_runs(argv, message, tmp_path, capsys):

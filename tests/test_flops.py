@@ -7,6 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from data.batch import Batch
 from models import RankingModel, RankingModelConfig
+from kernels.blocks import max_num_blocks
 from models.flops import block_length_square_sum, forward_flops, train_step_flops, train_step_min_bytes
 from tests.test_model import SCHEMA, make_batch
 
@@ -38,13 +39,17 @@ def test_matmul_flops_equal_pytorchs_count():
 
 
 def test_attention_flops_equal_pytorchs_count_when_every_block_is_full():
-    """The reference pads each block to 64 and its table to a shape-derived row count; one sample
-    of whole blocks leaves neither padding, so its bmm count is exactly the formula's attention."""
+    """The reference pads each block to 64 and its table to a shape-derived row count
+    (kernels.blocks.max_num_blocks). One sample of two whole blocks, plus the model's (empty) pad
+    sequence, leaves no padded block and one padded table row: the bmm count is the formula's
+    attention plus that row's."""
     model = RankingModel(SCHEMA, CONFIG)
     batch = make_batch(clicks_lengths=[128 - FIXED_TOKENS - 8], views_lengths=[8])
     history = np.array([128 - FIXED_TOKENS])
     attention = 4 * CONFIG.d_model * block_length_square_sum(FIXED_TOKENS + history)
-    assert 3 * CONFIG.num_layers * attention == counted(model, batch)["bmm"]
+    assert attention == 4 * CONFIG.d_model * 2 * 64**2
+    assert max_num_blocks(128, 2) == 3
+    assert 3 * CONFIG.num_layers * attention * 3 // 2 == counted(model, batch)["bmm"]
 
 
 def test_backward_is_twice_the_forward_but_the_dense_inputs_gradient_and_min_bytes_grow_with_tokens():

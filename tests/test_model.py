@@ -51,20 +51,21 @@ def model() -> RankingModel:
 
 def expected_tokens(model: RankingModel, batch: Batch) -> list[torch.Tensor]:
     """Each sample's token matrix built one sample at a time, straight from the layout's definition."""
-    slot = model.slot_embedding.weight
+    tower = model.tower
+    slot = tower.slot_embedding.weight
     user, ad = batch.sparse["user"].values(), batch.sparse["ad"].values()
     tables = model.categorical_embeddings.embedding_bags
     sequence_tables = model.sequence_embeddings.embeddings
     samples = []
     for b in range(batch.batch_size):
-        rows = list(model.dense_mlp(batch.dense[b]).view(CONFIG.n_dense_tokens, CONFIG.d_model))
-        rows.append(model.embedding_proj(tables["t_user"].weight[user[b]]))
-        rows.append(model.embedding_proj(tables["t_ad"].weight[ad[b]]))
+        rows = list(tower.dense_mlp(batch.dense[b]).view(CONFIG.n_dense_tokens, CONFIG.d_model))
+        rows.append(tower.embedding_proj(tables["t_user"].weight[user[b]]))
+        rows.append(tower.embedding_proj(tables["t_ad"].weight[ad[b]]))
         rows = [row + slot[i] for i, row in enumerate(rows)]
         for slot_index, name in enumerate(("clicks", "views"), start=FIXED_TOKENS):
             jagged = batch.sequence[name]
             ids = jagged.values()[jagged.offsets()[b]: jagged.offsets()[b + 1]]
-            rows.extend(model.embedding_proj(sequence_tables[f"t_{name}"].weight[i]) + slot[slot_index] for i in ids)
+            rows.extend(tower.embedding_proj(sequence_tables[f"t_{name}"].weight[i]) + slot[slot_index] for i in ids)
         samples.append(torch.stack(rows))
     return samples
 
@@ -75,7 +76,8 @@ def test_tokens_and_offsets_follow_the_layout(model):
     tokens = model.build_tokens(batch)
     lengths = [FIXED_TOKENS + 0 + 2, FIXED_TOKENS + 70 + 0, FIXED_TOKENS + 3 + 5]
     assert tokens.offsets.dtype == torch.int32
-    assert tokens.offsets.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    # The samples, then the pad sequence, empty without pad_tokens_to.
+    assert tokens.offsets.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths), sum(lengths)]
     assert tokens.values.shape == (sum(lengths), CONFIG.d_model)
     assert tokens.sample_ids.tolist() == [b for b, n in enumerate(lengths) for _ in range(n)]
     expected = torch.cat(expected_tokens(model, batch))
@@ -93,10 +95,10 @@ def test_features_out_of_schema_order_are_rejected(model):
 
 def test_forward_shapes_and_loss(model):
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
-    logits, tokens = model(batch)
+    logits, num_tokens = model(batch)
     assert logits.shape == (4,)
     assert torch.isfinite(logits).all()
-    assert tokens.num_tokens == 4 * FIXED_TOKENS + 173 + 15
+    assert num_tokens == 4 * FIXED_TOKENS + 173 + 15
     loss = model.loss(logits, batch.labels)
     assert loss.shape == () and loss.item() > 0
 
@@ -170,9 +172,13 @@ def test_schema_without_sequences():
         ),
         labels=torch.tensor([0.0, 1.0, 0.0]),
     )
-    logits, tokens = model(batch)
-    assert logits.shape == (3,)
-    assert tokens.offsets.tolist() == [0, 3, 6, 9]
+    logits, num_tokens = model(batch)
+    assert logits.shape == (3,) and num_tokens == 9
+    assert model.build_tokens(batch).offsets.tolist() == [0, 3, 6, 9, 9]
+    padded = RankingModel(schema, dataclasses.replace(CONFIG, pad_tokens_to=8))
+    padded.load_state_dict(model.state_dict())
+    assert padded.build_tokens(batch).offsets.tolist() == [0, 3, 6, 9, 16]
+    torch.testing.assert_close(padded(batch)[0], logits)
 
 
 def test_bf16_autocast_matches_fp32(model):
@@ -206,10 +212,16 @@ def test_padding_the_token_count_changes_no_logit(model):
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
     padded = RankingModel(SCHEMA, dataclasses.replace(CONFIG, pad_tokens_to=128))
     padded.load_state_dict(model.state_dict())
-    logits, tokens = model(batch)
-    padded_logits, padded_tokens = padded(batch)
-    assert padded_tokens.num_tokens == tokens.num_tokens  # the real tokens, as FLOP counts want them
+    logits, num_tokens = model(batch)
+    padded_logits, padded_num_tokens = padded(batch)
+    assert padded_num_tokens == num_tokens  # the real tokens, as FLOP counts want them
     torch.testing.assert_close(padded_logits, logits)
+    tokens, padded_tokens = model.build_tokens(batch), padded.build_tokens(batch)
+    assert padded_tokens.num_tokens % 128 == 0 and padded_tokens.num_tokens - num_tokens < 128
+    # The real tokens are where they were; the pad tokens form the last sequence.
+    torch.testing.assert_close(padded_tokens.values[:num_tokens], tokens.values)
+    assert padded_tokens.offsets[:-1].tolist() == tokens.offsets[:-1].tolist()
+    assert padded_tokens.offsets[-1] == padded_tokens.num_tokens
 
 
 def test_compiled_model_matches_eager_on_cpu(model):

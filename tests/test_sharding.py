@@ -300,6 +300,8 @@ def test_config_errors_name_the_problem():
         ShardingConfig(tables={"t_item": "rowwise"})
     with pytest.raises(ValueError, match="sparse optimizer 'lamb' is not one of"):
         SparseOptimizerConfig(name="lamb")
+    with pytest.raises(ValueError, match="lr_schedule 'cosine' is not 'dense' or 'constant'"):
+        SparseOptimizerConfig(lr_schedule="cosine")
     with pytest.raises(ValueError, match="'t_nope', which is neither a table nor a feature"):
         resolve_sharding_types(ShardingConfig(tables={"t_nope": "row_wise"}), tables, "cpu")
     # embedding_dim 8 splits into 4-wide shards only when column_wise_min_dim allows it
@@ -350,6 +352,9 @@ def test_lightning_strategy_trains_saves_and_resumes(tmp_path):
         # the warmup schedule stepped 3 times before the save and once after: (4 + 1) / 4 * 0.01
         # (restarted instead of restored, it would be at (1 + 1) / 4 * 0.01)
         assert result["lr"] == pytest.approx(0.0125)
+        # The tables' fused optimizer follows the dense schedule (lr_schedule "dense"): in step 3 the
+        # warmup stood at (2 + 1) / 4 of the base, and the kernels updated at 0.75 * 0.01.
+        assert result["sparse_kernel_lrs"] == pytest.approx([0.0075])
         assert 0 < result["validated"][0]["val_loss"] < 2  # a later Trainer reused the sharded module
         assert "different numbers of validation batches (per rank: [[2], [3]])" in result["uneven_validation"]
     # Resuming (model, dense AdamW, sparse Adagrad, scheduler, loop) lands where straight training did.

@@ -175,3 +175,44 @@ def test_checkpoints_load_with_weights_only(tiny_run):
     checkpoint = torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)
     assert {"state_dict", "optimizer_states", "global_step", "CTRDataModule"} <= set(checkpoint)
     assert checkpoint["CTRDataModule"]["train_sampler"] == {"epoch": 1, "consumed": 8 * 64}  # 40 = 32 + 8 batches
+
+
+@pytest.mark.parametrize("precision,fused", [("bf16-mixed", True), ("32-true", False)])
+def test_gradient_clipping_reaches_the_optimizer_also_when_it_is_fused(tmp_path, precision, fused):
+    """trainer.gradient_clip_val bounds the gradient norm each optimizer step sees, with the fused
+    AdamW under bf16-mixed too (which Lightning's own clipping refuses)."""
+    import lightning as L
+
+    from data.datamodule import CTRDataModule
+    from models import RankingModelConfig
+
+    clip = 1e-3
+    data = CTRDataModule(data_dir=str(tmp_path), num_train=256, num_val=64, batch_size=32, vocab_size=50,
+                         num_items=50, max_history_len=16)
+    net = RankingModelConfig(d_model=16, num_heads=2, num_layers=1, mlp_ratio=2, embedding_dim=8,
+                             n_dense_tokens=1, attn_backend="reference")
+    task = train.RankingTask(data.schema.to_dict(), net, train.OptimConfig(fused=fused))
+    norms = {"before": [], "stepped": []}
+
+    def total_norm(parameters) -> float:
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in parameters if p.grad is not None])))
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            assert all(group["fused"] is fused for group in optimizer.param_groups)
+            # After the step: Lightning passes the closure (forward, backward) to step(), so a
+            # pre-hook would run before the gradients exist; the step leaves them as it used them.
+            optimizer.register_step_post_hook(
+                lambda opt, *_: norms["stepped"].append(total_norm([p for g in opt.param_groups for p in g["params"]])))
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # runs before the clipping
+            norms["before"].append(total_norm(pl_module.parameters()))
+
+    trainer = L.Trainer(accelerator="cpu", precision=precision, max_steps=3, gradient_clip_val=clip, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[Record()])
+    trainer.fit(task, datamodule=data)
+    assert len(norms["stepped"]) == 3
+    assert min(norms["before"]) > 10 * clip  # the clipping had something to do
+    assert max(norms["stepped"]) <= clip * 1.001

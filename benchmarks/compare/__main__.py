@@ -4,11 +4,14 @@
     python -m benchmarks.compare --attn tlx fa2 --config configs/gpu.yaml --seeds 3 --out runs/compare_x
     python -m benchmarks.compare --attn reference reference --config configs/tiny.yaml --seeds 2 \\
         --out /tmp/compare_cpu --trainer.val_check_interval=10      # CPU smoke: reference against itself
+    python train.py compare --attn tlx fa2 --variant tlx_sharded tlx configs/sharded.yaml --config configs/gpu.yaml \
+        --out runs/compare_y                               # also tlx with torchrec-sharded tables
     python -m benchmarks.compare report runs/compare_x     # re-render the report from the folder
 
 Every (backend, seed) pair is one `python train.py` subprocess with the same config, data and data
 order; seed s sets the model initialization of every backend alike, so the spread over seeds is
-the run-to-run noise that backend differences are judged against. Other `--key=value` arguments go
+the run-to-run noise that backend differences are judged against. A --variant adds a group of runs
+of one backend with more config files (sharded tables, say), judged against the same baseline. Other `--key=value` arguments go
 to every run. A run that crashes is reported with its exit code and the end of its stderr; the
 other runs are kept. Rerunning the same command reuses the finished runs in --out and retries the
 rest; a different config in the same --out is refused.

@@ -83,9 +83,9 @@ def _load_run(settings: dict, label: str, backend: str, seed: int) -> Run:
         return Run(label, backend, seed, "failed", returncode, wall_s, folder, tail, None, None)
     saved_config = folder / "config.yaml"
     if saved_config.exists():
+        expected = settings.get("variant_resolved", {}).get(label, settings["resolved_config"])
         differences = config_differences(
-            comparable_config(yaml.safe_load(saved_config.read_text())), settings["resolved_config"],
-            str(saved_config), "settings.json",
+            comparable_config(yaml.safe_load(saved_config.read_text())), expected, str(saved_config), "settings.json",
         )
         if differences:
             raise CompareError(f"run {run_dir} was trained with a different config: {'; '.join(differences[:8])}")
@@ -199,6 +199,7 @@ def build_report(comparison: Comparison) -> dict:
         "device": settings["device"],
         "versions": settings["versions"],
         "config": {"files": settings["config_files"], "passthrough": settings["passthrough"],
+                   "variants": settings.get("variant_configs", {}),
                    "resolved": settings["resolved_config"]},
         "backends": settings["labels"],
         "seeds": settings["seeds"],
@@ -353,6 +354,8 @@ def settings_markdown(report: dict) -> str:
         f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
         f"- config: {', '.join(config['files']) or 'configs/default.yaml'}"
         + (f" with `{shlex.join(config['passthrough'])}`" if config["passthrough"] else ""),
+        *(f"- variant {label}: {report['backends'][label]} with {', '.join(files)} applied over that config"
+          for label, files in config.get("variants", {}).items()),
         f"- {report['steps']} steps; seeds {', '.join(map(str, report['seeds']))} set the model initialization "
         f"(seed_everything), while the data and its order come from data.seed = "
         f"{config['resolved'].get('data.seed')}, the same for every run; "

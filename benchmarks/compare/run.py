@@ -4,6 +4,7 @@ subprocess per (backend, seed), resumable, and each backend's kernel parity on t
 import argparse
 import datetime
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -38,6 +39,8 @@ class Settings:
     config_files: list[str]
     passthrough: list[str]
     labels: dict[str, str]  # label -> backend; a backend named twice gets label <backend>_2
+    variant_configs: dict[str, list[str]]  # label -> config files its runs add (--variant), after config_files
+    variant_resolved: dict[str, dict]  # label -> its comparable resolved config, when a variant
     seeds: list[int]
     steps: int
     device: str
@@ -67,7 +70,8 @@ def run_name(label: str, seed: int) -> str:
 def train_args(
     config_files: list[str], passthrough: list[str], backend: str, seed: int, steps: int | None, out: Path, label: str
 ) -> list[str]:
-    """train.py's arguments for one run; the comparison's own keys come last so they win."""
+    """train.py's arguments for one run (config_files: the comparison's, then the label's variant
+    files); the comparison's own keys come last so they win."""
     args = [arg for path in config_files for arg in ("--config", path)] + list(passthrough)
     args += [f"--attn={backend}", f"--seed_everything={seed}", f"--runs_dir={out / 'runs'}",
              f"--run_name={run_name(label, seed)}"]
@@ -170,6 +174,11 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
                         help=f"two or more of {', '.join(COMPARABLE_BACKENDS)}; "
                         "naming one twice compares it with itself")
     parser.add_argument("--config", action="append", default=[], help="train.py config file(s), as for train.py")
+    parser.add_argument(
+        "--variant", action="append", nargs="+", default=[], metavar="LABEL BACKEND CONFIG",
+        help="one more group of runs, named LABEL: BACKEND with these config files applied over --config's "
+        "(e.g. `--variant tlx_sharded tlx configs/sharded.yaml`), judged like a backend; repeatable",
+    )
     parser.add_argument("--steps", type=int, help="training steps per run (default: the config's trainer.max_steps)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every backend (default 3)")
     parser.add_argument("--out", required=True, type=Path, help="output folder")
@@ -187,7 +196,21 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
 
     out = args.out.resolve()
     labels = labels_for(args.attn)
+    variant_configs = {}
+    for variant in args.variant:
+        if len(variant) < 3:
+            parser.error(f"--variant {' '.join(variant)}: give LABEL BACKEND CONFIG [CONFIG ...]")
+        label, backend, files = variant[0], variant[1], variant[2:]
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", label) or label in labels:
+            parser.error(f"--variant label {label!r} must be new (not {', '.join(labels)}) and of letters, digits, '_', '.', '-'")
+        if backend not in COMPARABLE_BACKENDS:
+            parser.error(f"--variant {label}: backend {backend!r} is not one of {', '.join(COMPARABLE_BACKENDS)}")
+        labels[label], variant_configs[label] = backend, files
     config = resolve_config(args.config, passthrough, args.attn[0], args.steps, out)
+    variant_resolved = {
+        label: comparable_config(resolve_config([*args.config, *files], passthrough, labels[label], args.steps, out))
+        for label, files in variant_configs.items()
+    }
     steps = args.steps if args.steps is not None else config["trainer"]["max_steps"]
     if steps is None or steps < 1:
         raise CompareError(f"the config sets no trainer.max_steps ({steps}); pass --steps")
@@ -198,7 +221,8 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
         except kernels.BackendUnavailableError as error:
             raise CompareError(str(error)) from None
     return Settings(
-        out=out, config_files=args.config, passthrough=passthrough, labels=labels, seeds=list(range(args.seeds)),
+        out=out, config_files=args.config, passthrough=passthrough, labels=labels, variant_configs=variant_configs,
+        variant_resolved=variant_resolved, seeds=list(range(args.seeds)),
         steps=steps, device=device_name(device), device_type=device.type,
         kernel_dtype=str(kernel_dtype(config["trainer"]["precision"])).removeprefix("torch."),
         resolved_config=comparable_config(config),
@@ -287,7 +311,8 @@ def run_comparison(settings: Settings) -> None:
             print(f"{prefix} training (log: {run_dir}/stderr.log)", flush=True)
             command = [
                 sys.executable, str(REPO / "train.py"),
-                *train_args(settings.config_files, settings.passthrough, backend, seed, settings.steps, out, label),
+                *train_args([*settings.config_files, *settings.variant_configs.get(label, [])], settings.passthrough,
+                            backend, seed, settings.steps, out, label),
             ]
             record = launch_run(command, run_dir, {"label": label, "backend": backend, "seed": seed})
             outcome = "ok" if record["returncode"] == 0 else f"FAILED with exit code {record['returncode']}"

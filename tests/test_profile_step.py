@@ -1,0 +1,50 @@
+"""benchmarks/profile_step.py on the CPU: the two windows, the report's fields and its arithmetic."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.profile_step import host_phases, union_length
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_union_length_counts_overlaps_once():
+    assert union_length([]) == 0
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
+    assert union_length([(0, 10), (2, 3), (4, 5)]) == 10
+    assert union_length([(3, 4), (0, 1)]) == 2
+
+
+def test_host_phases_take_the_closure_out_of_the_optimizer_step():
+    actions = {"[Strategy]X.training_step": 3.0, "[Strategy]X.backward": 4.0,
+               "[LightningModule]T.configure_gradient_clipping": 1.0, "[LightningModule]T.optimizer_step": 10.0,
+               "run_training_batch": 10.5, "[_TrainingEpochLoop].train_dataloader_next": 0.5}
+    phases = host_phases(actions, wall_ms=12.0)
+    assert phases["optimizer step"] == pytest.approx(2.0)
+    assert phases["Lightning and everything else"] == pytest.approx(12.0 - 10.5 - 0.5)
+
+
+def test_profile_of_the_tiny_config(tmp_path):
+    out = tmp_path / "profile"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile_step", "--config", "configs/tiny.yaml", "--attn", "reference",
+         "--warmup", "2", "--steps", "3", "--out", str(out), f"--data.data_dir={tmp_path / 'cache'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())["reports"]["reference"]
+    assert report["steps"] == 3 and report["samples_per_step"] == 64  # the tiny batch
+    assert report["wall_ms_per_step"] > 0 and report["profiled_wall_ms_per_step"] > 0
+    host = report["host_ms_per_step"]
+    assert host["forward (training_step)"] > 0 and host["backward"] > 0
+    # The phases split the unprofiled window's wall time: they add up to it.
+    assert sum(host.values()) == pytest.approx(report["wall_ms_per_step"], rel=0.05)
+    names = [op["name"] for op in report["top_host_ops_profiled"]]
+    assert any(name.startswith("aten::") for name in names)
+    assert report["device_ms_per_step"] == {} and report["device_busy_ms_per_step"] == 0  # no GPU here
+    markdown = out.with_suffix(".md").read_text()
+    assert "unprofiled" in markdown and "Top host operators" in markdown
