@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
@@ -150,13 +151,13 @@ class RankingTask(L.LightningModule):
         """trainer.gradient_clip_val, clipped here without a gradient scaler (fp32, bf16): Lightning's
         own clipping refuses any fused optimizer under mixed precision, although only fp16's scaled
         gradients need the optimizer to unscale first."""
-        if not gradient_clip_val or getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+        plugin = self.trainer.precision_plugin
+        if not gradient_clip_val or getattr(plugin, "scaler", None) is not None:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
-        else:  # "norm", Lightning's default; no host read: the scale stays on the device
-            torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val)
+        # Lightning's clipping itself (by norm or value, over the optimizer's parameters), minus the
+        # mixed-precision plugin's refusal.
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")  # Lightning's default, as it sets it
+        Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
 
     def configure_optimizers(self):
         # Under the torchrec strategy the sharded tables train with their fused sparse optimizer

@@ -132,8 +132,7 @@ class StepProfiler(Callback):
         from models.flops import peak_flops, train_step_min_bytes
 
         steps = self.steps
-        device_us = defaultdict(float)
-        kernels = defaultdict(lambda: [0, 0.0])
+        kernels = defaultdict(lambda: [0, 0.0])  # name -> [calls, device us]
         intervals = []
         syncs = defaultdict(lambda: [0, 0.0])
         host_ops = defaultdict(lambda: [0, 0.0])
@@ -142,7 +141,6 @@ class StepProfiler(Callback):
             # they cover the kernels inside them and the device's idle gaps between those.
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 if not event.is_user_annotation:
-                    device_us[kernel_family(event.name)] += event.device_time
                     kernels[event.name][0] += 1
                     kernels[event.name][1] += event.device_time
                     intervals.append((event.time_range.start, event.time_range.end))
@@ -151,9 +149,12 @@ class StepProfiler(Callback):
                 continue
             host_ops[event.name][0] += 1
             host_ops[event.name][1] += event.self_cpu_time_total
-            if event.name in SYNC_OPS:
+            if event.name in SYNC_OPS:  # with their total time: what they waited counts
                 syncs[event.name][0] += 1
                 syncs[event.name][1] += event.cpu_time
+        device_us = defaultdict(float)
+        for name, (_, us) in kernels.items():
+            device_us[kernel_family(name)] += us
         actions_ms = {action: seconds / steps * 1e3 for action, seconds in sorted(host.items())}
         model, device = pl_module.model, pl_module.device
         history = [h for h in self.marks["history"] if h is not None]
@@ -171,10 +172,9 @@ class StepProfiler(Callback):
             "device_busy_ms_per_step": union_length(intervals) / steps / 1e3,
             "device_ms_per_step": {family: us / steps / 1e3 for family, us in sorted(device_us.items())},
             "top_kernels": [{"name": name, "family": kernel_family(name), "calls_per_step": calls / steps,
-                             "ms_per_step": us / steps / 1e3}
-                            for name, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]],
+                             "ms_per_step": us / steps / 1e3} for name, calls, us in top(kernels)],
             "top_host_ops_profiled": [{"name": name, "calls_per_step": calls / steps, "self_ms_per_step": us / steps / 1e3}
-                                      for name, (calls, us) in sorted(host_ops.items(), key=lambda kv: -kv[1][1])[:TOP]],
+                                      for name, calls, us in top(host_ops)],
             "host_ms_per_step": host_phases(actions_ms, wall / steps * 1e3),
             "syncs_per_step": {name: {"calls": calls / steps, "host_ms": us / steps / 1e3}
                                for name, (calls, us) in syncs.items()},
@@ -188,6 +188,11 @@ class StepProfiler(Callback):
 
 
 TOP = 20  # kernels and host operators listed per backend
+
+
+def top(counts: dict) -> list[tuple[str, int, float]]:
+    """The TOP (name, calls, time) of name -> [calls, time], longest time first."""
+    return [(name, calls, time_) for name, (calls, time_) in sorted(counts.items(), key=lambda kv: -kv[1][1])[:TOP]]
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

@@ -119,6 +119,10 @@ class EmbeddedFeatures:
     history_lengths: torch.Tensor  # int [n_sequence, B]: items of each feature in each sample
     num_tokens: int  # real tokens, without the pad tokens (known on the host, for token and FLOP counts)
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DenseTower's inputs, in its argument order."""
+        return self.dense, self.categorical, self.history, self.history_lengths
+
 
 def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_out))
@@ -186,24 +190,21 @@ class DenseTower(nn.Module):
         fixed = torch.cat([dense_tokens, self.embedding_proj(categorical)], dim=1) + slot[:n_fixed]
 
         rows = torch.arange(num_rows, device=device)
+        lengths = history_lengths.long()  # [n_sequence, B]
+        items = lengths.sum(0)  # [B]; zeros without sequence features
+        token_lengths = n_fixed + items
+        starts = torch.cumsum(token_lengths, 0) - token_lengths
         if self.num_sequence:
-            lengths = history_lengths.long()  # [n_sequence, B]
             per_list = lengths.reshape(-1)  # one entry per (feature, sample) list, in the rows' order
             list_end = torch.cumsum(per_list, 0)
             list_of_row = torch.searchsorted(list_end, rows, right=True)  # == per_list.numel() for pad rows
             is_pad = list_of_row >= per_list.numel()
             list_of_row = list_of_row.clamp(max=per_list.numel() - 1)
-            items = lengths.sum(0)  # [B]
-            token_lengths = n_fixed + items
-            starts = torch.cumsum(token_lengths, 0) - token_lengths
             items_before = (torch.cumsum(lengths, 0) - lengths).reshape(-1)  # of the sample's earlier features
             index_in_list = rows - (list_end - per_list)[list_of_row]
             destination = starts[list_of_row % batch_size] + n_fixed + items_before[list_of_row] + index_in_list
             feature = list_of_row // batch_size
-        else:
-            items = torch.zeros(batch_size, dtype=torch.long, device=device)
-            token_lengths = torch.full_like(items, n_fixed)
-            starts = torch.arange(batch_size, device=device) * n_fixed
+        else:  # every row is a pad row
             is_pad, destination, feature = torch.ones_like(rows, dtype=torch.bool), rows, torch.zeros_like(rows)
         # Pad row r (r >= the real items) goes right after the real tokens: B * n_fixed + r.
         destination = torch.where(is_pad, batch_size * n_fixed + rows, destination)
@@ -293,8 +294,7 @@ class RankingModel(nn.Module):
 
     def build_tokens(self, batch: Batch) -> JaggedTokens:
         """The jagged tokens DenseTower attends over (for inspection and tests; forward builds them inside the tower)."""
-        features = self.embed(batch)
-        return self.tower.build_tokens(features.dense, features.categorical, features.history, features.history_lengths)
+        return self.tower.build_tokens(*self.embed(batch).tensors())
 
     @staticmethod
     def _check_keys(features: KeyedJaggedTensor, names: list[str], kind: str) -> KeyedJaggedTensor:
@@ -307,7 +307,7 @@ class RankingModel(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, int]:
         """Returns logits [B] and the batch's real token count (without pad tokens)."""
         features = self.embed(batch)
-        logits = self.tower(features.dense, features.categorical, features.history, features.history_lengths)
+        logits = self.tower(*features.tensors())
         return logits, features.num_tokens
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

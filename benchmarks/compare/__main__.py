@@ -10,10 +10,10 @@
 
 Every (backend, seed) pair is one `python train.py` subprocess with the same config, data and data
 order; seed s sets the model initialization of every backend alike, so the spread over seeds is
-the run-to-run noise that backend differences are judged against. A --variant adds a group of runs
-of one backend with more config files (sharded tables, say), judged against the same baseline. Other `--key=value` arguments go
-to every run. A run that crashes is reported with its exit code and the end of its stderr; the
-other runs are kept. Rerunning the same command reuses the finished runs in --out and retries the
+the run-to-run noise that backend differences are judged against. A --variant adds a group of
+runs of one backend with more config files (sharded tables, say), judged against the same baseline.
+Other `--key=value` arguments go to every run. A run that crashes is reported with its exit code and
+the end of its stderr; the other runs are kept. Rerunning the same command reuses the finished runs in --out and retries the
 rest; a different config in the same --out is refused.
 
 The --out folder:
