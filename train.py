@@ -164,7 +164,7 @@ class RankingTask(L.LightningModule):
         # inside backward: the dense optimizer owns everything else (data_parallel tables included).
         embedding_ids = sharding.embedding_parameter_ids(self.model)
         decay, no_decay = [], []
-        for _, parameter in sharding.dense_named_parameters(self.model):
+        for parameter in sharding.dense_parameters(self.model):
             is_matrix = parameter.dim() >= 2 and id(parameter) not in embedding_ids
             (decay if is_matrix else no_decay).append(parameter)
         optim = self.optim_config

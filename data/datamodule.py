@@ -124,7 +124,6 @@ class CTRDataModule(lightning.LightningDataModule):
                 f"need batch_size >= 1, num_workers >= 0, num_train >= 0, num_val >= 0; got "
                 f"batch_size={batch_size}, num_workers={num_workers}, num_train={num_train}, num_val={num_val}"
             )
-        self.dataset = dataset
         self.args = DataArgs(
             data_dir=Path(data_dir), num_train=num_train, num_val=num_val, seed=seed, num_dense=num_dense,
             num_categorical=num_categorical, vocab_size=vocab_size, num_items=num_items,

@@ -478,11 +478,13 @@ def _tma_desc(x: torch.Tensor, block_cols: int):
     copy; TMA needs each row's elements contiguous, a 16-byte aligned base and row pitch, and at
     least one block of rows (a box may not exceed the tensor it tiles). Anything else is copied
     (padding rows are zeros and never stored back)."""
-    row = x[0].numel() if x.shape[0] else math.prod(x.shape[1:])
+    row = math.prod(x.shape[1:])
     rows_contiguous = x.shape[0] == 0 or x[0].is_contiguous()
     pitch_bytes = x.stride(0) * x.element_size()
     if not rows_contiguous or pitch_bytes % 16 or x.data_ptr() % 16 or x.shape[0] < BLOCK_SIZE:
-        x = x.contiguous().clone() if x.data_ptr() % 16 else x.contiguous()
+        x = x.contiguous()
+        if x.data_ptr() % 16:  # a contiguous view at a misaligned offset: only a fresh copy is aligned
+            x = x.clone()
         if x.shape[0] < BLOCK_SIZE:
             x = torch.cat([x, x.new_zeros((BLOCK_SIZE - x.shape[0], *x.shape[1:]))])
     return TensorDescriptor(x, shape=[x.shape[0], row], strides=[x.stride(0), 1], block_shape=[BLOCK_SIZE, block_cols])

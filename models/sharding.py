@@ -1033,7 +1033,8 @@ def checkpoint_metadata(path: str | Path, *, weights_only: bool = True) -> dict[
     the metadata of a save_checkpoint / TorchrecStrategy folder, or a regular Lightning .ckpt file."""
     path = Path(path)
     file = path / _METADATA_FILE if path.is_dir() else path
-    return torch.load(file, map_location="cpu", weights_only=weights_only)
+    # Memory-mapped: only the entries read are loaded, not a whole Lightning .ckpt's weights.
+    return torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
 
 
 def load_unsharded(path: str | Path, model: nn.Module, *, strict: bool = True) -> None:
@@ -1248,24 +1249,17 @@ class TorchrecStrategy(DDPStrategy):
         metadata = dict(checkpoint)
         metadata.pop("state_dict", None)  # the live model is saved instead, shard by shard
         with_optimizers = metadata.pop("optimizer_states", None) is not None
-        model = self.model if self.model is not None else self.lightning_module
-        save_checkpoint(path, model, self.optimizers if with_optimizers else None, metadata=metadata)
+        save_checkpoint(path, self.model, self.optimizers if with_optimizers else None, metadata=metadata)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        model = self.model if self.model is not None else self.lightning_module
-        return load_checkpoint(path, model, self.optimizers or None, weights_only=weights_only)
+        return load_checkpoint(path, self.model, self.optimizers or None, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # load_checkpoint loaded the model
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # load_checkpoint loaded the optimizers
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 if "torchrec" not in StrategyRegistry:
