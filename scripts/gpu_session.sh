@@ -4,9 +4,9 @@
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
 # Steps: env, parity, smoke, bench, profile, profile_eager, sharding_cuda, compare_start, compare_wait, sharded.
-# compare_start starts the comparison (longer than one call may run) in its own process session, which
-# outlives the call while the machine stays warm; compare_wait, in later calls, waits for it (up to 570 s)
-# (COMPARE_WAIT_S, default 570) and copies its report, or the runs so far, to $OUT.
+# compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
+# session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
+# for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 # In-process inductor compiles: its compile subprocesses failed under fbtriton on torch 2.11 (first H200 run).
@@ -30,7 +30,10 @@ for s in "$@"; do
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
-    compare_start) setsid nohup python3 train.py compare --attn tlx triton fa2 reference --variant tlx_sharded tlx configs/sharded.yaml configs/sharded_adam.yaml "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=500 > /tmp/compare_h200.log 2>&1 < /dev/null &
+    compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
+      # .gpu/compare_h200_runs.tgz and the comparison reuses its finished runs, training only the rest
+      [[ -f .gpu/compare_h200_runs.tgz && ! -d /tmp/compare_h200 ]] && tar xzf .gpu/compare_h200_runs.tgz -C /tmp
+      setsid nohup python3 train.py compare --attn tlx triton fa2 reference --variant tlx_sharded tlx configs/sharded.yaml configs/sharded_adam.yaml "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=500 > /tmp/compare_h200.log 2>&1 < /dev/null &
       summary+=("compare_start: started, log /tmp/compare_h200.log") ;;
     compare_wait) for _ in $(seq $(( ${COMPARE_WAIT_S:-570} / 5 ))); do pgrep -f "train.py compare" > /dev/null || break; sleep 5; done
       cp /tmp/compare_h200.log "$OUT"/compare.log; cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/ 2>/dev/null

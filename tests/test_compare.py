@@ -1,6 +1,7 @@
 """benchmarks/compare: a tiny CPU comparison end to end (the reference backend against itself), the
 parity rule on synthetic curves, bad input, and the notebook."""
 
+import datetime
 import json
 import shutil
 import subprocess
@@ -70,6 +71,7 @@ def test_identical_backends_write_every_file_and_pass(tiny):
     assert [(r["label"], r["seed"], r["status"]) for r in report["runs"]] == [
         ("reference", 0, "ok"), ("reference_2", 0, "ok"), ("reference", 1, "ok"), ("reference_2", 1, "ok")
     ]
+    assert all(datetime.datetime.fromisoformat(r["started"]).tzinfo for r in report["runs"])  # UTC start times
     assert all(report["step_time_ms"][label] > 0 for label in report["backends"])
     assert report["timed_steps"] == {"reference": 24, "reference_2": 24}  # 12 steps after warmup x 2 seeds
     assert report["speedup_vs_fa2"]["reference"] == 1.0
@@ -91,6 +93,7 @@ def test_identical_backends_write_every_file_and_pass(tiny):
 
     markdown = (out / "compare.md").read_text()
     assert "**Parity: PASS**" in markdown and "| reference_2 |" in markdown and "loss_curves.png" in markdown
+    assert "started (UTC)" in markdown
 
 
 def test_rerun_reuses_finished_runs_and_report_rerenders(tiny, capsys):

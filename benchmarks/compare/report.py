@@ -33,6 +33,7 @@ class Run:
     status: str  # ok | failed | interrupted | missing
     returncode: int | None
     wall_s: float | None
+    started: str | None  # UTC; None for runs recorded before run.json kept it
     folder: Path | None  # train.py's version_N folder
     stderr_tail: list[str]
     train: pd.DataFrame | None  # per-step rows, index = step
@@ -70,17 +71,17 @@ def _load_run(settings: dict, label: str, backend: str, seed: int) -> Run:
     run_dir = Path(settings["out"]) / "runs" / run_name(label, seed)
     record_path = run_dir / "run.json"
     if not record_path.exists():
-        return Run(label, backend, seed, "missing", None, None, None, [], None, None)
+        return Run(label, backend, seed, "missing", None, None, None, None, [], None, None)
     record = json.loads(record_path.read_text())
     folder = run_dir / record["version"] if record.get("version") else None
     tail = _stderr_tail(run_dir / "stderr.log")
-    returncode, wall_s = record.get("returncode"), record.get("wall_s")
+    returncode, wall_s, started = record.get("returncode"), record.get("wall_s"), record.get("started")
     if record.get("state") != "finished":
-        return Run(label, backend, seed, "interrupted", None, None, folder, tail, None, None)
+        return Run(label, backend, seed, "interrupted", None, None, started, folder, tail, None, None)
     if not finished_ok(run_dir):
         if returncode == 0:
             tail = [*tail, "(exit code 0 but no metrics.csv was written)"]
-        return Run(label, backend, seed, "failed", returncode, wall_s, folder, tail, None, None)
+        return Run(label, backend, seed, "failed", returncode, wall_s, started, folder, tail, None, None)
     saved_config = folder / "config.yaml"
     if saved_config.exists():
         expected = settings.get("variant_resolved", {}).get(label, settings["resolved_config"])
@@ -90,7 +91,7 @@ def _load_run(settings: dict, label: str, backend: str, seed: int) -> Run:
         if differences:
             raise CompareError(f"run {run_dir} was trained with a different config: {'; '.join(differences[:8])}")
     train, validation = _read_metrics(folder / "metrics.csv")
-    return Run(label, backend, seed, "ok", returncode, wall_s, folder, tail, train, validation)
+    return Run(label, backend, seed, "ok", returncode, wall_s, started, folder, tail, train, validation)
 
 
 def load_comparison(out: str | Path) -> Comparison:
@@ -224,7 +225,7 @@ def build_report(comparison: Comparison) -> dict:
         "runs": [
             {
                 "label": r.label, "backend": r.backend, "seed": r.seed, "status": r.status, "returncode": r.returncode,
-                "wall_s": r.wall_s, "folder": str(r.folder.relative_to(comparison.out)) if r.folder else None,
+                "wall_s": r.wall_s, "started": r.started, "folder": str(r.folder.relative_to(comparison.out)) if r.folder else None,
                 "stderr_tail": r.stderr_tail if r.status != "ok" else [],
             }
             for r in comparison.runs
@@ -235,7 +236,8 @@ def build_report(comparison: Comparison) -> dict:
 def runs_table(report: dict) -> pd.DataFrame:
     return pd.DataFrame(
         [{"backend": r["label"], "seed": r["seed"], "status": r["status"], "exit code": r["returncode"],
-          "wall s": r["wall_s"], "folder": r["folder"]} for r in report["runs"]]
+          "wall s": r["wall_s"], "started (UTC)": r.get("started") or "-", "folder": r["folder"]}
+         for r in report["runs"]]
     )
 
 

@@ -246,14 +246,17 @@ def launch_run(command: list[str], run_dir: Path, record: dict) -> dict:
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     before = _version_folders(run_dir)
-    record = {**record, "command": shlex.join(command), "state": "running", "returncode": None, "version": None}
+    # The start time tells apart the runs of a comparison resumed in a later session (another machine).
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = {**record, "command": shlex.join(command), "started": started, "state": "running", "returncode": None,
+              "version": None}
     (run_dir / "run.json").write_text(json.dumps(record, indent=1) + "\n")
-    started = time.perf_counter()
+    start = time.perf_counter()
     with open(run_dir / "stdout.log", "w") as stdout, open(run_dir / "stderr.log", "w") as stderr:
         returncode = subprocess.run(command, stdout=stdout, stderr=stderr).returncode
     created = sorted(_version_folders(run_dir) - before, key=lambda name: int(name.split("_")[1]))
     record.update(
-        state="finished", returncode=returncode, wall_s=round(time.perf_counter() - started, 1),
+        state="finished", returncode=returncode, wall_s=round(time.perf_counter() - start, 1),
         version=created[-1] if created else None,
     )
     (run_dir / "run.json").write_text(json.dumps(record, indent=1) + "\n")
