@@ -42,6 +42,8 @@ class Backend:
     run: Callable[..., torch.Tensor]
     # False: rotary is applied by separate PyTorch ops before `run`, which then gets cos = sin = None.
     fuses_rotary: bool = True
+    # Whether `launch` overrides mean anything to it; block_attention refuses them for the others.
+    has_launch_settings: bool = False
 
 
 def no_unsupported_inputs(q: torch.Tensor) -> str | None:
@@ -61,11 +63,6 @@ def launch_json(launch: dict | None) -> str:
 def launch_overrides(launch: str, direction: str) -> dict:
     """One pass's overrides from the string form."""
     return json.loads(launch).get(direction, {}) if launch else {}
-
-
-def refuse_launch(backend: str, launch: str) -> None:
-    if launch:
-        raise ValueError(f"the {backend} backend has no launch settings to override, got {launch}")
 
 
 def kernel_ops(

@@ -30,8 +30,9 @@ BACKENDS = ("auto", *BACKEND_MODULES)
 # interpreter is for tests and runs only when asked for by name). Measured on an H200: at head_dim
 # 128 the TLX kernels are faster than the Triton ones eager and replayed from CUDA graphs
 # (benchmarks/results/attention_h200.md); at head_dim 64 they tie in device time, and the compiled,
-# CUDA-graph training step of configs/gpu.yaml ran 2-3% faster with Triton in every seed
-# (benchmarks/results/compare_h200.md: 22.1 vs 22.5 ms median), so `auto` prefers Triton there.
+# CUDA-graph training step of configs/gpu.yaml ran faster with Triton in every seed of two of the
+# three comparisons (benchmarks/results/compare_h200.md: 20.50 vs 20.84 ms median), so `auto`
+# prefers Triton there.
 AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
 AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
 
@@ -193,6 +194,8 @@ def block_attention(
     if table is None:
         validate_offsets(offsets, q.shape[0], read_values=check_offsets)
     chosen = _resolve(backend, q)
+    if launch and not chosen.has_launch_settings:
+        raise ValueError(f"the {chosen.name} backend has no launch settings to override, got {launch}")
     launch = launch_json(launch)
     if table is None:
         table = block_table(offsets, q.shape[0])

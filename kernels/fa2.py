@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .backend import Backend, kernel_ops, refuse_launch
+from .backend import Backend, kernel_ops
 from .blocks import BLOCK_SIZE, BlockTable, block_cu_seqlens
 
 try:
@@ -40,7 +40,6 @@ def fa2_unsupported_reason(q: torch.Tensor) -> str | None:
 
 
 def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
-    refuse_launch("fa2", launch)
     cu_seqlens = block_cu_seqlens(block_start, q.shape[0])
     out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, BLOCK_SIZE, BLOCK_SIZE, 0.0, False, False, scale=1 / math.sqrt(q.shape[-1])
@@ -73,7 +72,6 @@ _run_ops = kernel_ops("fa2", _forward, _backward, _fake_residuals)
 def _run(q, k, v, table: BlockTable, cos, sin, rotate_v, launch):
     # Rotary was applied by the dispatcher (fuses_rotary=False): FA2 has no rotary of its own.
     if HAS_FLASH_ATTN:
-        refuse_launch("fa2", launch)
         cu_seqlens = block_cu_seqlens(table.block_start, table.total_tokens)
         return flash_attn_varlen_func(
             q, k, v, cu_seqlens, cu_seqlens, BLOCK_SIZE, BLOCK_SIZE, softmax_scale=1 / math.sqrt(q.shape[-1])

@@ -320,4 +320,6 @@ def triton_unsupported_reason(q: torch.Tensor) -> str | None:
 
 
 HOW_TO_GET = "run on a GPU Triton supports with `pip install triton`, or set TRITON_INTERPRET=1 on CPU"
-BACKEND = Backend("triton", HOW_TO_GET, triton_unavailable_reason, triton_unsupported_reason, _run_ops)
+BACKEND = Backend(
+    "triton", HOW_TO_GET, triton_unavailable_reason, triton_unsupported_reason, _run_ops, has_launch_settings=True
+)

@@ -179,6 +179,8 @@ def test_bad_tensors_name_the_problem():
         block_attention(q, k, v, offsets.float())
     with pytest.raises(ValueError, match="unknown block_attention backend 'flash'"):
         block_attention(q, k, v, offsets, backend="flash")
+    with pytest.raises(ValueError, match="the reference backend has no launch settings to override"):
+        block_attention(q, k, v, offsets, backend="reference", launch={"fwd": {"num_warps": 8}})
     with pytest.raises(ValueError, match=r"Rotary.cos must have shape \(10, 8\)"):
         block_attention(q, k, v, offsets, rotary=Rotary(cos=torch.ones(10, 4), sin=torch.ones(10, 4)))
 
