@@ -249,7 +249,7 @@ def flex_block_mask(offsets: torch.Tensor, tokens: int, full_blocks: bool):
     device = offsets.device
     table = block_table(offsets, tokens)
     block_start, block_len = table.block_start.long(), table.block_len.long()
-    block_of_token = torch.searchsorted(block_start, torch.arange(tokens, device=device), right=True) - 1
+    block_of_token = table.block_of_token()
     if full_blocks:
 
         def mask_mod(b, h, q_idx, kv_idx):

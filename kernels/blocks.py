@@ -198,6 +198,12 @@ class BlockTable:
         """(block_start, block_len, num_blocks): what kernel ops take."""
         return self.block_start, self.block_len, self.num_blocks
 
+    def block_of_token(self) -> torch.Tensor:
+        """int64 [total_tokens]: the table row holding each token. Blocks tile the tokens in order
+        (unused rows start at total_tokens), so token t lives in the last row starting at or before it."""
+        tokens = torch.arange(self.total_tokens, device=self.device, dtype=self.block_start.dtype)
+        return torch.searchsorted(self.block_start, tokens, right=True) - 1
+
 
 def block_table(offsets: torch.Tensor, total_tokens: int | None = None) -> BlockTable:
     """The BlockTable of `offsets` (int32 [B+1]). Pass `total_tokens` (q.shape[0]) so nothing reads

@@ -61,9 +61,7 @@ def _block_attention_padded(q, k, v, offsets, cos, sin, rotate_v, upcast):
     scores = scores.masked_fill(~valid[:, None, None, :], torch.finfo(compute_dtype).min)
     probs = torch.softmax(scores, dim=-1)
     out_tiles = torch.einsum("bhij,bjhd->bihd", probs, v_tiles)
-    # Blocks tile the tokens in order: token t lives in the last row starting at or before it.
-    row = torch.searchsorted(table.block_start, torch.arange(total_tokens, device=q.device, dtype=torch.int32),
-                             right=True) - 1
+    row = table.block_of_token()
     out = out_tiles[row, torch.arange(total_tokens, device=q.device) - block_start[row]]
     return out.to(out_dtype)
 

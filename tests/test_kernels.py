@@ -89,6 +89,8 @@ def test_block_table_covers_every_token_once(lengths):
     block_start, block_len = table.block_start, table.block_len
     covered = torch.cat([torch.arange(s, s + n) for s, n in zip(block_start.tolist(), block_len.tolist())] + [torch.zeros(0, dtype=torch.long)])
     assert covered.tolist() == list(range(total))
+    row_of_token = torch.cat([torch.full((n,), row) for row, n in enumerate(block_len.tolist())] + [torch.zeros(0, dtype=torch.long)])
+    assert table.block_of_token().tolist() == row_of_token.tolist()
 
 
 def test_reference_low_precision_mode_runs_in_input_dtype():
