@@ -245,8 +245,6 @@ def _kernel_constexprs(q: torch.Tensor, rotary: bool, rotate_v: bool) -> dict:
 
 def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
     total_tokens, heads, head_dim = q.shape
-    if len({x.stride() for x in (q, k, v)}) != 1:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if total_tokens == 0 or heads == 0:
         return [out]
@@ -262,8 +260,6 @@ def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, la
 
 def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out):
     total_tokens, heads, head_dim = q.shape
-    if len({x.stride() for x in (q, k, v)}) != 1:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
     if total_tokens == 0 or heads == 0:
         return dq, dk, dv
@@ -284,6 +280,17 @@ def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, r
 
 
 _run_ops = kernel_ops("triton", _forward, _backward)
+
+
+def _run(q, k, v, table, cos, sin, rotate_v, launch):
+    # The kernels take one (token, head) stride pair for q, k and v. Inputs whose strides differ
+    # are copied here, outside the op, so autograd saves the copies and the backward copies nothing.
+    if len({x.stride() for x in (q, k, v)}) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _run_ops(q, k, v, table, cos, sin, rotate_v, launch)
+
+
+_run.forward_op, _run.backward_op = _run_ops.forward_op, _run_ops.backward_op  # for opcheck in the tests
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,5 +328,5 @@ def triton_unsupported_reason(q: torch.Tensor) -> str | None:
 
 HOW_TO_GET = "run on a GPU Triton supports with `pip install triton`, or set TRITON_INTERPRET=1 on CPU"
 BACKEND = Backend(
-    "triton", HOW_TO_GET, triton_unavailable_reason, triton_unsupported_reason, _run_ops, has_launch_settings=True
+    "triton", HOW_TO_GET, triton_unavailable_reason, triton_unsupported_reason, _run, has_launch_settings=True
 )

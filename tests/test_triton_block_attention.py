@@ -75,6 +75,23 @@ def test_views_of_one_packed_projection_need_no_copy_and_match():
     torch.testing.assert_close(dqkv, torch.stack(expected[1:], dim=1))
 
 
+def test_inputs_of_different_strides_are_copied_before_the_op():
+    """q contiguous with k and v views of a packed projection: the backend copies them once, before
+    its op (whose kernels take one stride pair), and gives the contiguous inputs' result."""
+    q, k, v, offsets, grad_out = _inputs(LENGTHS, 32, torch.float32, seed=4)
+    kv = torch.stack((k, v), dim=1).detach().requires_grad_()
+    q_leaf = q.detach().requires_grad_()
+    out = block_attention(q_leaf, *kv.unbind(1), offsets, rotary=Rotary(), backend="triton")
+    dq, dkv = torch.autograd.grad(out, (q_leaf, kv), grad_out)
+    expected = _run(lambda *x: block_attention(*x, offsets, rotary=Rotary(), backend="triton"), q, k, v, grad_out)
+    torch.testing.assert_close(out.detach(), expected[0])
+    torch.testing.assert_close(dq, expected[1])
+    torch.testing.assert_close(dkv, torch.stack(expected[2:], dim=1))
+    table = block_table(offsets, q.shape[0])
+    with pytest.raises(ValueError, match="must share strides"):
+        get_backend("triton").run.forward_op(q, *kv.unbind(1), *table.tensors(), None, None, False, "")
+
+
 def test_launch_overrides_are_explicit_and_checked():
     q, k, v, offsets, grad_out = _inputs(LENGTHS, 32, torch.float32, seed=3)
     default = _run(lambda *x: block_attention(*x, offsets, backend="triton"), q, k, v, grad_out)
