@@ -47,6 +47,7 @@ from kernels import (
     offsets_from_lengths,
     rotary_tables,
 )
+from kernels.backend import launch_json
 from kernels.testing import parity
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
@@ -329,19 +330,27 @@ class Impl:
     launch: str = ""  # ours: its launch overrides as kernels.backend.launch_json gives them
 
 
+def our_impl(backend: str, name: str | None = None, launch: dict | None = None, separate_rotary: bool = False) -> Impl:
+    """The Impl of one of our backends: named after it (with SEPARATE_ROTARY when rotary runs as
+    separate compiled ops before it) unless `name` is given."""
+    name = name or backend + (SEPARATE_ROTARY if separate_rotary else "")
+    return Impl(name, ours(backend, launch), fused_rotary=not separate_rotary, rotary_only=separate_rotary,
+                backend=backend, launch=launch_json(launch))
+
+
 IMPLS = {
     impl.name: impl
     for impl in (
-        Impl("reference", ours("reference"), fused_rotary=True, backend="reference"),
+        our_impl("reference"),
         Impl("fa2", fa2, fused_rotary=False),
         Impl("cudnn", folded_sdpa("CUDNN_ATTENTION"), fused_rotary=False),
         Impl("mem_efficient", folded_sdpa("EFFICIENT_ATTENTION"), fused_rotary=False),
         Impl("flex", flex, fused_rotary=False),
-        Impl("triton", ours("triton"), fused_rotary=True, backend="triton"),
-        Impl("tlx", ours("tlx"), fused_rotary=True, backend="tlx"),
+        our_impl("triton"),
+        our_impl("tlx"),
         # Issue 4: our kernel without rotary after compiled rotary ops, against the same kernel fused.
-        Impl("triton" + SEPARATE_ROTARY, ours("triton"), fused_rotary=False, rotary_only=True, backend="triton"),
-        Impl("tlx" + SEPARATE_ROTARY, ours("tlx"), fused_rotary=False, rotary_only=True, backend="tlx"),
+        our_impl("triton", separate_rotary=True),
+        our_impl("tlx", separate_rotary=True),
     )
 }
 

@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_attention import (
-    DTYPES, PASSES, Impl, bench_impl, device_name, free_memory, make_inputs, make_timer, measure_copy_bw_tbps, ours,
-    parse_shape, versions,
+    DTYPES, PASSES, Impl, bench_impl, device_name, free_memory, make_inputs, make_timer, measure_copy_bw_tbps,
+    our_impl, parse_shape, versions,
 )
-from kernels.backend import launch_json
 from kernels.tlx_aot import TUNING_VARIANTS
 
 # name -> (fwd, bwd) LaunchConfig fields over the production ones (kernels.triton_block_attention).
@@ -39,8 +38,7 @@ SHAPES = ("1024x512x4x128", "2048x256x4x64", "jagged:1152x1024x4x128")
 def variant_impl(backend: str, variant: str) -> Impl:
     fwd, bwd = VARIANTS[backend][variant]
     launch = {"fwd": fwd, "bwd": bwd} if fwd or bwd else None
-    return Impl(f"{backend}@{variant}", ours(backend, launch), fused_rotary=True, backend=backend,
-                launch=launch_json(launch))
+    return our_impl(backend, f"{backend}@{variant}", launch)
 
 
 def main(argv: list[str] | None = None) -> int:
