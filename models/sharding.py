@@ -476,9 +476,12 @@ def plan_sharding(
     device: torch.device | str,
     local_world_size: int | None = None,
     process_group: dist.ProcessGroup | None = None,
+    tables: Mapping[str, TableInfo] | None = None,
+    sharding_types: Mapping[str, str] | None = None,
 ) -> ShardingPlan:
     """Run EmbeddingShardingPlanner for module (whose tables must already carry their sparse optimizer,
-    see attach_sparse_optimizer, so the plan counts optimizer state).
+    see attach_sparse_optimizer, so the plan counts optimizer state). `tables` and `sharding_types`
+    are embedding_tables(module) and resolve_sharding_types(...), found here unless given.
 
     Without process_group the plan is made locally (no communication). With one, rank 0 plans and
     broadcasts the plan or the error, so every rank raises the same ValueError instead of the others
@@ -486,8 +489,9 @@ def plan_sharding(
     """
     device = torch.device(device)
     device_type = device.type
-    tables = embedding_tables(module)
-    sharding_types = resolve_sharding_types(config, tables, device_type)
+    tables = tables if tables is not None else embedding_tables(module)
+    if sharding_types is None:
+        sharding_types = resolve_sharding_types(config, tables, device_type)
 
     def make_plan() -> tuple[ShardingPlan | None, str | None]:
         capacities = _capacities(config, device)
@@ -702,7 +706,8 @@ def shard_model(
     if local_world_size is None and device.type == "cuda":
         local_world_size = min(world_size, torch.cuda.device_count())
     plan = plan_sharding(
-        module, config, world_size=world_size, device=device, local_world_size=local_world_size, process_group=process_group
+        module, config, world_size=world_size, device=device, local_world_size=local_world_size,
+        process_group=process_group, tables=tables, sharding_types=sharding_types,
     )
 
     ddp_kwargs = dict(ddp_kwargs or {})
@@ -937,8 +942,9 @@ def save_checkpoint(
         dist.barrier(group=process_group)
 
 
-def _checkpoint_keys(path: Path) -> set[str]:
-    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+def _saved_tensors(path: Path) -> dict[str, Any]:
+    """The checkpoint's flattened keys and their DCP metadata (global sizes)."""
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def _load_planner() -> dcp.DefaultLoadPlanner:
@@ -950,12 +956,14 @@ def _load_planner() -> dcp.DefaultLoadPlanner:
     return dcp.DefaultLoadPlanner(flatten_sharded_tensors=False)
 
 
-def _check_shapes(state: Mapping[str, Any], path: Path, process_group: dist.ProcessGroup | None) -> None:
-    """Compare every tensor's global shape with the checkpoint's before DCP reads anything; the ranks
-    pool what they found (the fused optimizer's keys differ between ranks) and all raise, or none."""
+def _check_shapes(
+    state: Mapping[str, Any], saved: Mapping[str, Any], path: Path, process_group: dist.ProcessGroup | None
+) -> None:
+    """Compare every tensor's global shape with the checkpoint's (`saved`: _saved_tensors) before DCP
+    reads anything; the ranks pool what they found (the fused optimizer's keys differ between ranks)
+    and all raise, or none."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     flat, _ = flatten_state_dict(dict(state))
     problems = []
     for key, value in flat.items():
@@ -994,7 +1002,8 @@ def load_checkpoint(
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint folder written by save_checkpoint (no .metadata)")
-    available = _checkpoint_keys(path)
+    saved_tensors = _saved_tensors(path)
+    available = set(saved_tensors)
     optimizers = [getattr(o, "_optimizer", o) for o in _as_list(dense_optimizers)]
     for optimizer in optimizers:
         _initialize_optimizer_state(optimizer)
@@ -1010,7 +1019,7 @@ def load_checkpoint(
         # Parameters the saved optimizer never stepped have no state there: they start fresh.
         saved = {name for name in state[key]["state"] if any(k.startswith(f"{key}.state.{name}.") for k in available)}
         state[key]["state"] = {name: value for name, value in state[key]["state"].items() if name in saved}
-    _check_shapes(state, path, process_group)
+    _check_shapes(state, saved_tensors, path, process_group)
     distributed = dist.is_initialized()
     dcp.load(
         state,
@@ -1042,7 +1051,7 @@ def load_unsharded(path: str | Path, model: nn.Module, *, strict: bool = True) -
     one process, e.g. a RankingModel for evaluation. The model's keys may sit under a prefix in the
     checkpoint (a Lightning checkpoint stores RankingTask's "model." keys): it is found automatically."""
     path = Path(path)
-    available = _checkpoint_keys(path)
+    available = set(_saved_tensors(path))
     model_state = model.state_dict()
     probe = next(iter(model_state))
     candidates = sorted({k[: -len(probe)] for k in available if k.endswith("." + probe) or k == probe}, key=len)
