@@ -3,7 +3,8 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke, bench, profile, profile_eager, sharding_cuda, compare_start, compare_wait, sharded.
+# Steps: env, parity, smoke, bench, profile, profile_sharded, profile_eager, sharding_cuda, compare_start,
+# compare_wait, sharded.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
 # for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
@@ -28,6 +29,8 @@ for s in "$@"; do
     smoke) step smoke 300 python3 train.py "${GPU_DATA[@]}" --attn=tlx --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
+    # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx step.
+    profile_sharded) step profile_sharded 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --config configs/sharded.yaml --config configs/sharded_adam.yaml --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx --out "$OUT/profile_step_sharded_h200" ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
