@@ -25,7 +25,8 @@ What happens in shard_model, in order:
 3. Rank 0 runs EmbeddingShardingPlanner (a Topology of world_size devices with the configured HBM/DDR
    capacity; ParameterConstraints restrict each table to its one sharding type and compute kernel)
    and broadcasts the plan, or the error, so that a plan that does not fit fails on every rank.
-4. DistributedModelParallel shards the tables and wraps the rest of the model in DDP. A sharded
+4. DistributedModelParallel shards the tables and wraps the rest of the model in DDP (on more than
+   one process; one process has nothing to average and runs it unwrapped). A sharded
    EmbeddingBagCollection returns its features grouped by shard, not in table order: models read
    its KeyedTensor by feature name (RankingModel.embed does).
 5. The unsharded table values are copied into the shards (copy_weights), so a sharded run starts
@@ -80,7 +81,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed import comm_ops
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
-from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.constants import DDR_CAP, HBM_CAP
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
@@ -641,6 +642,16 @@ def check_ranks_agree(fingerprint: Mapping[str, Any], process_group: dist.Proces
         raise RuntimeError("the ranks cannot shard this model together:\n  " + "\n  ".join(shown))
 
 
+class _NoDataParallel(DataParallelWrapper):
+    """The dense part of a one-process model stays unwrapped: it has no gradients to average, and DDP
+    would still add per-parameter hooks, bucket copies and an allreduce to every step, and split a
+    torch.compile'd tower into one graph per gradient bucket. DMP still materializes meta parameters
+    before calling wrap."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        pass
+
+
 def shard_model(
     module: nn.Module,
     config: ShardingConfig | None = None,
@@ -656,7 +667,8 @@ def shard_model(
     DMP, or dmp.module for the unwrapped model. Every rank must call this with an identical module
     (same seed) and config; any difference raises RuntimeError on all ranks. device defaults to
     cuda:<current device> with nccl, else cpu. ddp_kwargs go to the DDP wrapping the dense part
-    (static_graph, find_unused_parameters, bucket_cap_mb, or any DDP argument).
+    (static_graph, find_unused_parameters, bucket_cap_mb, or any DDP argument); on one process
+    there is no DDP (nothing to average) and they are unused.
 
     Returns (the DMP-wrapped model, the sharding plan).
     """
@@ -711,7 +723,7 @@ def shard_model(
     )
 
     ddp_kwargs = dict(ddp_kwargs or {})
-    wrapper = DefaultDataParallelWrapper(
+    wrapper = _NoDataParallel() if world_size == 1 else DefaultDataParallelWrapper(
         bucket_cap_mb=ddp_kwargs.pop("bucket_cap_mb", 25),
         static_graph=ddp_kwargs.pop("static_graph", True),
         find_unused_parameters=ddp_kwargs.pop("find_unused_parameters", False),

@@ -209,9 +209,10 @@ def scenario_load(rank: int, world_size: int, args: dict) -> list[dict]:
             continue
         loaded = _predict(sharded, EVAL_STEPS, rank, world_size)
         _train_step(sharded, optimizer, 2, rank, world_size)
-        results.append(
-            {"metadata": metadata, "loaded": loaded, "continued": _predict(sharded, EVAL_STEPS, rank, world_size)}
-        )
+        results.append({
+            "metadata": metadata, "loaded": loaded, "continued": _predict(sharded, EVAL_STEPS, rank, world_size),
+            "dense_wrapped_in_ddp": isinstance(sharded._dmp_wrapped_module, torch.nn.parallel.DistributedDataParallel),
+        })  # fmt: skip
     return results
 
 

@@ -251,6 +251,8 @@ def test_checkpoint_saved_by_two_ranks_loads_into_one_two_and_unsharded(tmp_path
     for loaded in (_row_order([r[0]["loaded"] for r in two]), one[0][0]["loaded"]):
         torch.testing.assert_close(loaded, saved_predictions, rtol=0, atol=1e-6)
     assert two[0][0]["metadata"] == {"step": 2} and one[0][0]["metadata"] == {"step": 2}
+    # DDP only where there are gradients to average: one process runs the dense part unwrapped.
+    assert two[0][0]["dense_wrapped_in_ddp"] and not one[0][0]["dense_wrapped_in_ddp"]
     # Dense (AdamW) and sparse (row-wise Adagrad) optimizer state came back: the next step continues
     # exactly as the saving run did, in 2 processes and in 1.
     for resumed in (_row_order([r[0]["continued"] for r in two]), one[0][0]["continued"]):
