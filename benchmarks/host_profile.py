@@ -122,14 +122,15 @@ def main() -> int:
 
     device = torch.device("cuda")
     timer = lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))  # noqa: E731
-    report = {"torch": torch.__version__, "triton": triton.__version__, "tiny": TINY, "full": FULL}
+    # Backends under their own key: a backend named "triton" would otherwise overwrite the version.
+    report = {"torch": torch.__version__, "triton": triton.__version__, "tiny": TINY, "full": FULL, "backends": {}}
     for backend in args.backends:
         try:
             check_backend(backend, device)
             row = profile_backend(backend, device, timer)
         except Exception as exc:  # one backend's failure must not hide the others' numbers
             row = dict(error=f"{type(exc).__name__}: {exc}")
-        report[backend] = row
+        report["backends"][backend] = row
         numbers = {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}
         print(f"== {backend}: {numbers or row}", flush=True)
         for stage, us in row.get("host_stages_us", {}).items():
