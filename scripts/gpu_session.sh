@@ -29,8 +29,11 @@ for s in "$@"; do
     smoke) step smoke 300 python3 train.py "${GPU_DATA[@]}" --attn=tlx --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
-    # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx step.
-    profile_sharded) step profile_sharded 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --config configs/sharded.yaml --config configs/sharded_adam.yaml --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx --out "$OUT/profile_step_sharded_h200" ;;
+    # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx
+    # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing).
+    profile_sharded) SHARDED=(--config configs/sharded.yaml --config configs/sharded_adam.yaml --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx)
+      step profile_sharded 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --out "$OUT/profile_step_sharded_h200"
+      step profile_sharded_table_wise 300 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --sharding.sharding_type=table_wise --out "$OUT/profile_step_sharded_table_wise_h200" ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
