@@ -91,7 +91,7 @@ class StepProfiler(Callback):
         step = trainer.global_step
         if step == self.warmup:
             self._sync(pl_module)
-            self.marks = {"wall": time.perf_counter(), "host": self._host_durations(trainer), "flops": 0,
+            self.marks = {"start": time.perf_counter(), "host_before": self._host_durations(trainer), "flops": 0,
                           "tokens": 0, "samples": 0, "history": []}
         if self.warmup <= step < self.warmup + self.steps:
             tokens, flops = pl_module.step_flops(batch)
@@ -105,19 +105,19 @@ class StepProfiler(Callback):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
-            self.marks["profiled_wall"] = time.perf_counter()
+            self.marks["profiled_start"] = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step  # already counts the step that just ended
         if step == self.warmup + self.steps:
             self._sync(pl_module)
-            self.marks["wall"] = time.perf_counter() - self.marks["wall"]
+            self.marks["wall"] = time.perf_counter() - self.marks["start"]
             host_after = self._host_durations(trainer)
-            self.marks["host"] = {action: sum(host_after[action][len(self.marks["host"].get(action, [])):])
+            self.marks["host"] = {action: sum(host_after[action][len(self.marks["host_before"].get(action, [])):])
                                   for action in host_after}
         elif self.profiler is not None and step == self.warmup + 2 * self.steps:
             self._sync(pl_module)
-            profiled_wall = time.perf_counter() - self.marks["profiled_wall"]
+            profiled_wall = time.perf_counter() - self.marks["profiled_start"]
             self.profiler.__exit__(None, None, None)
             self._write(trainer, pl_module, self.profiler, self.marks["wall"], profiled_wall, self.marks["host"])
             self.profiler = None
