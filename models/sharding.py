@@ -490,7 +490,8 @@ def plan_sharding(
     """
     device = torch.device(device)
     device_type = device.type
-    tables = tables if tables is not None else embedding_tables(module)
+    if tables is None:
+        tables = embedding_tables(module)
     if sharding_types is None:
         sharding_types = resolve_sharding_types(config, tables, device_type)
 
