@@ -135,6 +135,7 @@ class StepProfiler(Callback):
         kernels = defaultdict(lambda: [0, 0.0])  # name -> [calls, device us]
         intervals = []
         syncs = defaultdict(lambda: [0, 0.0])
+        sync_sources = defaultdict(lambda: [0, 0.0])
         host_ops = defaultdict(lambda: [0, 0.0])
         for event in profiler.events():
             # GPU-side spans of record_function ranges (Optimizer.step#AdamW.step, ...) are not work:
@@ -152,6 +153,8 @@ class StepProfiler(Callback):
             if event.name in SYNC_OPS:  # with their total time: what they waited counts
                 syncs[event.name][0] += 1
                 syncs[event.name][1] += event.cpu_time
+                sync_sources[sync_source(event)][0] += 1
+                sync_sources[sync_source(event)][1] += event.cpu_time
         device_us = defaultdict(float)
         for name, (_, us) in kernels.items():
             device_us[kernel_family(name)] += us
@@ -178,6 +181,8 @@ class StepProfiler(Callback):
             "host_ms_per_step": host_phases(actions_ms, wall / steps * 1e3),
             "syncs_per_step": {name: {"calls": calls / steps, "host_ms": us / steps / 1e3}
                                for name, (calls, us) in syncs.items()},
+            "sync_sources": [{"source": source, "calls_per_step": calls / steps, "host_ms_per_step": us / steps / 1e3}
+                             for source, calls, us in top(sync_sources)],
             "flops_per_step": self.marks["flops"] / steps, "tokens_per_step": self.marks["tokens"] / steps,
             "samples_per_step": self.marks["samples"] / steps, "min_bytes_per_step": min_bytes / max(len(history), 1),
             "peak_flops": peak_flops(device, dtype), "ceilings": ceilings,
@@ -193,6 +198,20 @@ TOP = 20  # kernels and host operators listed per backend
 def top(counts: dict) -> list[tuple[str, int, float]]:
     """The TOP (name, calls, time) of name -> [calls, time], longest time first."""
     return [(name, calls, time_) for name, (calls, time_) in sorted(counts.items(), key=lambda kv: -kv[1][1])[:TOP]]
+
+
+SOURCE_DEPTH = 5  # enclosing operators named per sync
+
+
+def sync_source(event) -> str:
+    """A host wait and the operators around it, innermost first: `cudaStreamSynchronize < aten::item
+    < ...`. The backward's ops run on autograd's thread, so the chain names the backward node
+    (`autograd::engine::evaluate_function: ...Backward0`) rather than a Python line."""
+    names, parent = [event.name], event.cpu_parent
+    while parent is not None and len(names) <= SOURCE_DEPTH:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return " < ".join(names)
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -304,6 +323,13 @@ def render_markdown(reports: dict, command: str) -> str:
             lines += [f"## Top kernels: {backend}", "", "| kernel | family | calls/step | ms/step |", "|---|---|---:|---:|"]
             lines += [f"| `{k['name'][:100]}` | {k['family']} | {k['calls_per_step']:.1f} | {k['ms_per_step']:.3f} |"
                       for k in report["top_kernels"]]
+            lines.append("")
+        if report.get("sync_sources"):
+            lines += [f"## Where the host waits for the device (under torch.profiler): {backend}", "",
+                      f"Each wait with up to {SOURCE_DEPTH} enclosing operators, innermost first.", "",
+                      "| wait < enclosing operators | calls/step | host ms/step |", "|---|---:|---:|"]
+            lines += [f"| `{w['source'][:300]}` | {w['calls_per_step']:.1f} | {w['host_ms_per_step']:.3f} |"
+                      for w in report["sync_sources"]]
             lines.append("")
         if report.get("top_host_ops_profiled"):
             lines += [f"## Top host operators by self time (under torch.profiler): {backend}", "",

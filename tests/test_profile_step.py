@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_step import host_phases, union_length
+from benchmarks.profile_step import SOURCE_DEPTH, SYNC_OPS, host_phases, sync_source, union_length
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,6 +17,22 @@ def test_union_length_counts_overlaps_once():
     assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
     assert union_length([(0, 10), (2, 3), (4, 5)]) == 10
     assert union_length([(3, 4), (0, 1)]) == 2
+
+
+class _Event:
+    def __init__(self, name, parent=None):
+        self.name, self.cpu_parent = name, parent
+
+
+def test_sync_source_names_the_enclosing_operators_innermost_first():
+    outer = _Event("autograd::engine::evaluate_function: EmbeddingBackward0")
+    wait = _Event("cudaStreamSynchronize", _Event("aten::_local_scalar_dense", _Event("aten::item", outer)))
+    assert sync_source(wait) == ("cudaStreamSynchronize < aten::_local_scalar_dense < aten::item"
+                                 " < autograd::engine::evaluate_function: EmbeddingBackward0")
+    deep = _Event("leaf")
+    for i in range(10):
+        deep = _Event("leaf", deep) if i else deep
+    assert sync_source(deep).count(" < ") == SOURCE_DEPTH
 
 
 def test_host_phases_take_the_closure_out_of_the_optimizer_step():
@@ -46,5 +62,9 @@ def test_profile_of_the_tiny_config(tmp_path):
     names = [op["name"] for op in report["top_host_ops_profiled"]]
     assert any(name.startswith("aten::") for name in names)
     assert report["device_ms_per_step"] == {} and report["device_busy_ms_per_step"] == 0  # no GPU here
+    # .item() on CPU tensors still goes through aten::_local_scalar_dense, so even the CPU run has sources.
+    sources = [w["source"] for w in report["sync_sources"]]
+    assert sources and all(source.split(" < ")[0] in SYNC_OPS for source in sources)
     markdown = out.with_suffix(".md").read_text()
+    assert "Where the host waits" in markdown
     assert "unprofiled" in markdown and "Top host operators" in markdown
