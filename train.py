@@ -234,7 +234,9 @@ class StepMetrics(Callback):
         if trainer.global_step % trainer.log_every_n_steps == 0:
             shown = self.flush(trainer, keep_last=True)
             if shown is not None:
-                pl_module.log("train/loss", shown, prog_bar=True, logger=False)
+                # As a CPU tensor: Lightning would put a float on the module's device and read it back
+                # for the progress bar at the end of every step, a host wait per step.
+                pl_module.log("train/loss", torch.tensor(shown), prog_bar=True, logger=False)
 
     def flush(self, trainer, keep_last: bool) -> float | None:
         """Logs the pending steps (all but the newest if keep_last: its interval ends when the next

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,6 +176,21 @@ def test_checkpoints_load_with_weights_only(tiny_run):
     checkpoint = torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)
     assert {"state_dict", "optimizer_states", "global_step", "CTRDataModule"} <= set(checkpoint)
     assert checkpoint["CTRDataModule"]["train_sampler"] == {"epoch": 1, "consumed": 8 * 64}  # 40 = 32 + 8 batches
+
+
+def test_progress_bar_loss_is_handed_to_lightning_on_the_host():
+    """StepMetrics shows the loss through `pl_module.log` as a CPU tensor. Lightning puts a logged
+    float on the module's device and converts it back for the progress bar after every step: on the
+    H200 that was a host wait per step (benchmarks/results/README.md, fourth session)."""
+    logged = {}
+    module = SimpleNamespace(device=torch.device("cpu"), log=lambda name, value, **kwargs: logged.update({name: value}))
+    trainer = SimpleNamespace(global_step=2, log_every_n_steps=2, loggers=[])
+    metrics = train.StepMetrics(peak_flops=None)
+    for step, start in ((1, 0.0), (2, 0.5)):
+        metrics.pending.append(dict(step=step, start=start, samples=4, tokens=8, flops=16, lr=0.1))
+        metrics.on_train_batch_end(trainer, module, {"loss": torch.tensor(0.75)}, None, 0)
+    shown = logged["train/loss"]
+    assert isinstance(shown, torch.Tensor) and shown.device.type == "cpu" and shown.item() == 0.75
 
 
 @pytest.mark.parametrize("precision,fused", [("bf16-mixed", True), ("32-true", False)])
