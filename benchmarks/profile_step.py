@@ -16,8 +16,9 @@ torch.profiler (CPU and CUDA activities) for what the device does, through train
   work), from SimpleProfiler (unprofiled window);
 - device time by kernel family and the top kernels, the time the GPU was busy at all (the union of
   its kernels' intervals: against the unprofiled wall time it tells a host-bound step from a
-  device-bound one), the host's waits for the device and the top host operators by self time
-  (profiled window; the profiler slows host operators, so read those as shares, not times).
+  device-bound one), the host's waits for the device, each with the operators around it, and the
+  top host operators by self time (profiled window; the profiler slows host operators, so read
+  those as shares, not times).
 """
 
 import argparse

@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke, bench, profile, profile_sharded, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke, bench, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
@@ -34,6 +34,10 @@ for s in "$@"; do
     profile_sharded) SHARDED=(--config configs/sharded.yaml --config configs/sharded_adam.yaml --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx)
       step profile_sharded 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --out "$OUT/profile_step_sharded_h200"
       step profile_sharded_table_wise 300 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --sharding.sharding_type=table_wise --out "$OUT/profile_step_sharded_table_wise_h200" ;;
+    # Which Python lines read CUDA tensors back (each a host wait), unsharded and sharded tlx, 40 steps each.
+    trace_reads) TRACE=(--data.num_train=131072 --data.num_val=2048 --attn=tlx --trainer.max_steps=40 --trainer.val_check_interval=100000 --trainer.limit_val_batches=0 --runs_dir=/tmp/trace_runs)
+      step trace_reads 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${TRACE[@]}"
+      step trace_reads_sharded 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" --config configs/sharded.yaml --config configs/sharded_adam.yaml "${TRACE[@]}" ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
