@@ -44,6 +44,9 @@ class Backend:
     fuses_rotary: bool = True
     # Whether `launch` overrides mean anything to it; block_attention refuses them for the others.
     has_launch_settings: bool = False
+    # A kernel backend's `kernel_ops` run, whose forward_op/backward_op are its custom ops (the
+    # tests opcheck them); `run` may wrap it. None for a backend of plain PyTorch ops.
+    ops: Callable[..., torch.Tensor] | None = None
 
 
 def no_unsupported_inputs(q: torch.Tensor) -> str | None:
@@ -116,5 +119,5 @@ def kernel_ops(
     def run(q, k, v, table: BlockTable, cos, sin, rotate_v: bool, launch: str) -> torch.Tensor:
         return forward_op(q, k, v, *table.tensors(), cos, sin, bool(rotate_v), launch)[0]
 
-    run.forward_op, run.backward_op = forward_op, backward_op  # for opcheck in the tests
+    run.forward_op, run.backward_op = forward_op, backward_op
     return run

@@ -545,4 +545,5 @@ _run_ops = kernel_ops("tlx", _forward, _backward)
 
 HOW_TO_GET = ("run on an sm_90 GPU (H100/H200) with TLX: `pip uninstall -y triton && pip install fbtriton==3.7.4`, "
               "or `pip install triton-utlx==3.8.0.post16` with Triton 3.8 / torch 2.14")
-BACKEND = Backend("tlx", HOW_TO_GET, tlx_unavailable_reason, tlx_unsupported_reason, _run_ops, has_launch_settings=True)
+BACKEND = Backend("tlx", HOW_TO_GET, tlx_unavailable_reason, tlx_unsupported_reason, _run_ops, has_launch_settings=True,
+                  ops=_run_ops)

@@ -290,8 +290,6 @@ def _run(q, k, v, table, cos, sin, rotate_v, launch):
     return _run_ops(q, k, v, table, cos, sin, rotate_v, launch)
 
 
-_run.forward_op, _run.backward_op = _run_ops.forward_op, _run_ops.backward_op  # for opcheck in the tests
-
 
 # ----------------------------------------------------------------------------------------------
 # The backend
@@ -328,5 +326,6 @@ def triton_unsupported_reason(q: torch.Tensor) -> str | None:
 
 HOW_TO_GET = "run on a GPU Triton supports with `pip install triton`, or set TRITON_INTERPRET=1 on CPU"
 BACKEND = Backend(
-    "triton", HOW_TO_GET, triton_unavailable_reason, triton_unsupported_reason, _run, has_launch_settings=True
+    "triton", HOW_TO_GET, triton_unavailable_reason, triton_unsupported_reason, _run, has_launch_settings=True,
+    ops=_run_ops,
 )

@@ -83,9 +83,9 @@ def test_compiled_layer_matches_eager(backend):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_custom_ops_pass_opcheck_on_gpu(backend):
     _runnable(backend, 64, torch.bfloat16)
-    run = get_backend(backend).run
+    ops = get_backend(backend).ops
     offsets = torch.tensor([0, 3, 73, 273], dtype=torch.int32, device="cuda")
     table = block_table(offsets, 273)
     cos, sin = (rotary_tables(Rotary(), offsets, 273, 64) if get_backend(backend).fuses_rotary else (None, None))
     q, k, v = (torch.randn(273, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    torch.library.opcheck(run.forward_op, (q, k, v, *table.tensors(), cos, sin, False, ""))
+    torch.library.opcheck(ops.forward_op, (q, k, v, *table.tensors(), cos, sin, False, ""))

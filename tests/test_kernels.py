@@ -201,6 +201,16 @@ def test_gpu_backend_on_cpu_raises_actionable_error(backend):
         assert "fbtriton==3.7.4" in message and "triton-utlx" in message
 
 
+@pytest.mark.parametrize("backend", ["fa2", "triton", "tlx"])
+def test_kernel_backends_expose_their_custom_ops(backend):
+    """Each kernel backend's ops are `block_attention::<name>_forward/_backward`, whatever wraps them."""
+    from kernels.dispatch import get_backend
+
+    ops = get_backend(backend).ops
+    assert ops.forward_op._qualname == f"block_attention::{backend}_forward"
+    assert ops.backward_op._qualname == f"block_attention::{backend}_backward"
+
+
 def test_check_offsets_false_skips_only_the_value_check():
     q, k, v = _inputs()
     bad = torch.tensor([0, 9], dtype=torch.int32)

@@ -89,7 +89,7 @@ def test_inputs_of_different_strides_are_copied_before_the_op():
     torch.testing.assert_close(dkv, torch.stack(expected[2:], dim=1))
     table = block_table(offsets, q.shape[0])
     with pytest.raises(ValueError, match="must share strides"):
-        get_backend("triton").run.forward_op(q, *kv.unbind(1), *table.tensors(), None, None, False, "")
+        get_backend("triton").ops.forward_op(q, *kv.unbind(1), *table.tensors(), None, None, False, "")
 
 
 def test_launch_overrides_are_explicit_and_checked():
@@ -136,11 +136,11 @@ def test_custom_ops_pass_opcheck():
     q, k, v, offsets, grad_out = _inputs((3, 70), 32, torch.float32, seed=4)
     table = block_table(offsets, q.shape[0])
     cos, sin = rotary_tables(Rotary(), offsets, q.shape[0], 32)
-    run = get_backend("triton").run
+    backend = get_backend("triton")
     for leaves in ((q, k, v), tuple(x.requires_grad_() for x in (q.clone(), k.clone(), v.clone()))):
-        torch.library.opcheck(run.forward_op, (*leaves, *table.tensors(), cos, sin, True, ""))
-    out = run(q, k, v, table, cos, sin, True, "")
-    torch.library.opcheck(run.backward_op, (grad_out, q, k, v, *table.tensors(), cos, sin, True, "", [out]))
+        torch.library.opcheck(backend.ops.forward_op, (*leaves, *table.tensors(), cos, sin, True, ""))
+    out = backend.run(q, k, v, table, cos, sin, True, "")
+    torch.library.opcheck(backend.ops.backward_op, (grad_out, q, k, v, *table.tensors(), cos, sin, True, "", [out]))
 
 
 def test_public_api_compiles_without_graph_breaks():
