@@ -79,6 +79,5 @@ def _run(q, k, v, table: BlockTable, cos, sin, rotate_v, launch):
     return _run_ops(q, k, v, table, None, None, False, launch)
 
 
-
 HOW_TO_GET = "run on an NVIDIA GPU with a CUDA build of PyTorch (optionally `pip install flash-attn`)"
 BACKEND = Backend("fa2", HOW_TO_GET, fa2_unavailable_reason, fa2_unsupported_reason, _run, fuses_rotary=False, ops=_run_ops)

@@ -30,8 +30,8 @@ def test_sync_source_names_the_enclosing_operators_innermost_first():
     assert sync_source(wait) == ("cudaStreamSynchronize < aten::_local_scalar_dense < aten::item"
                                  " < autograd::engine::evaluate_function: EmbeddingBackward0")
     deep = _Event("leaf")
-    for i in range(10):
-        deep = _Event("leaf", deep) if i else deep
+    for _ in range(9):
+        deep = _Event("leaf", deep)
     assert sync_source(deep).count(" < ") == SOURCE_DEPTH
 
 
