@@ -9,12 +9,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 from data.schema import LABEL, FeatureSchema
 
 
 @dataclass
-class Batch:
+class Batch(Pipelineable):
+    """One training batch. A torchrec Pipelineable, so TrainPipelineSparseDist can copy it to the
+    device on its own stream and distribute its features ahead of the step that uses them."""
+
     dense: torch.Tensor  # float32 [B, len(schema.dense)]
     sparse: KeyedJaggedTensor  # categorical keys, lengths all 1
     sequence: KeyedJaggedTensor  # sequence keys, lengths 0..max_len
@@ -33,6 +37,11 @@ class Batch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             history_lengths=self.history_lengths,
         )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        # Tensors copied on a side stream and used on another must not be reused before that use ends.
+        for part in (self.dense, self.sparse, self.sequence, self.labels):
+            part.record_stream(stream)
 
     def pin_memory(self) -> "Batch":
         return Batch(

@@ -300,7 +300,9 @@ class RankingModel(nn.Module):
     def _check_keys(features: KeyedJaggedTensor, names: list[str], kind: str) -> KeyedJaggedTensor:
         # EBC/EC match features to tables by position. Reordering a KJT needs an fbgemm op
         # that the CPU build of fbgemm lacks on CUDA, so the batch must already be in schema order.
-        if features.keys() != names:
+        # torchrec's TrainPipelineSparseDist fx-traces forward to find the features each sharded
+        # collection reads from the batch; a traced KJT has no keys to compare.
+        if not isinstance(features, torch.fx.Proxy) and features.keys() != names:
             raise ValueError(f"batch.{kind} has keys {features.keys()}; the schema expects {names}, in that order")
         return features
 

@@ -156,6 +156,58 @@ def scenario_optimizer(rank: int, world_size: int, args: dict) -> dict:
     return results
 
 
+def scenario_pipeline(rank: int, world_size: int, args: dict) -> dict:
+    """Per sharding type: the losses of a plain loop and of torchrec's TrainPipelineSparseDist (which
+    distributes the next batch's features ahead of the step) over the same batches from the same
+    start, which collections the pipeline pipelined, and whether it then ended cleanly."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from models.sharding import dense_parameters, shard_model
+
+    batches = [batch_rows(step, rank, world_size) for step in range(args["steps"])]
+    results = {}
+    for sharding_type in args["sharding_types"]:
+        def build():
+            config = _sharding_config(sharding_type=sharding_type, optimizer=args["optimizer"])
+            sharded, _ = shard_model(build_model(), config, device=torch.device("cpu"))
+            return sharded, torch.optim.AdamW(dense_parameters(sharded), **args["adamw"])
+
+        plain, optimizer = build()
+        plain_losses = []
+        for batch in batches:
+            optimizer.zero_grad()
+            logits, _ = plain(batch)
+            loss = plain.module.loss(logits, batch.labels)
+            loss.backward()
+            optimizer.step()
+            plain_losses.append(loss.item())
+
+        piped, optimizer = build()
+        piped_losses = []
+
+        def forward(batch):  # (what the pipeline backpropagates, what progress() returns)
+            logits, _ = piped(batch)
+            loss = piped.module.loss(logits, batch.labels)
+            piped_losses.append(loss.item())
+            return loss, logits
+
+        pipeline = TrainPipelineSparseDist(piped, optimizer, torch.device("cpu"), custom_model_fwd=forward)
+        source = iter(batches)
+        for _ in batches:
+            pipeline.progress(source)
+        try:  # every batch it took is trained: the next call finds none
+            pipeline.progress(source)
+            ended = False
+        except StopIteration:
+            ended = True
+        results[sharding_type] = {
+            "plain": plain_losses, "pipelined": piped_losses, "ended": ended,
+            "pipelined_modules": sorted(name for name, module in piped.module.named_modules()
+                                        if any(module is m for m in pipeline._pipelined_modules)),
+        }
+    return results
+
+
 def _predict(model, steps: list[int], rank: int, world_size: int) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
@@ -416,6 +468,7 @@ SCENARIOS = {
     "load": scenario_load,
     "setups": scenario_setups,
     "cuda": scenario_cuda,
+    "pipeline": scenario_pipeline,
 }
 NEEDS_PROCESS_GROUP = set(SCENARIOS)
 SCENARIOS["lightning"] = scenario_lightning  # Lightning sets up the process group itself

@@ -229,6 +229,20 @@ def test_fused_rowwise_adagrad_steps_match_single_process(tmp_path):
         assert not torch.equal(params[tables["t_item"].state_key], worker.build_model().categorical_embeddings.embedding_bags["t_item"].weight)
 
 
+def test_torchrec_train_pipeline_pipelines_both_collections_with_unchanged_losses(tmp_path):
+    """The batch is a torchrec Pipelineable and the model traces, so TrainPipelineSparseDist pipelines
+    the input distribution of both embedding collections; the math stays the plain loop's."""
+    ranks = launch("pipeline", tmp_path, {"sharding_types": ["row_wise", "table_wise"], "optimizer": OPTIMIZER,
+                                          "adamw": ADAMW, "steps": STEPS})
+    for rank, result in enumerate(ranks):
+        for sharding_type, run in result.items():
+            where = f"rank {rank}, {sharding_type}"
+            assert run["pipelined_modules"] == ["categorical_embeddings", "sequence_embeddings"], where
+            assert len(run["pipelined"]) == len(run["plain"]) == STEPS and run["ended"], where
+            torch.testing.assert_close(torch.tensor(run["pipelined"]), torch.tensor(run["plain"]), rtol=0, atol=1e-6,
+                                       msg=lambda m: f"{where}: {m}")
+
+
 def _row_order(per_rank: list[torch.Tensor], world_size: int = 2) -> torch.Tensor:
     """Predictions of the ranks' halves back in the global batches' row order."""
     local = worker.GLOBAL_BATCH // world_size
