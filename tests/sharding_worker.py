@@ -139,15 +139,7 @@ def scenario_optimizer(rank: int, world_size: int, args: dict) -> dict:
         )
         sharded, _ = shard_model(model, config, device=torch.device("cpu"))
         optimizer = torch.optim.AdamW(dense_parameters(sharded), **args["adamw"])
-        losses = []
-        for step in range(args["steps"]):
-            batch = batch_rows(step, rank, world_size)
-            optimizer.zero_grad()
-            logits, _ = sharded(batch)
-            loss = sharded.module.loss(logits, batch.labels)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = [_train_step(sharded, optimizer, step, rank, world_size) for step in range(args["steps"])]
         results[sharding_type] = {
             "losses": losses,
             "tables": local_tables(sharded),
@@ -173,14 +165,7 @@ def scenario_pipeline(rank: int, world_size: int, args: dict) -> dict:
             return sharded, torch.optim.AdamW(dense_parameters(sharded), **args["adamw"])
 
         plain, optimizer = build()
-        plain_losses = []
-        for batch in batches:
-            optimizer.zero_grad()
-            logits, _ = plain(batch)
-            loss = plain.module.loss(logits, batch.labels)
-            loss.backward()
-            optimizer.step()
-            plain_losses.append(loss.item())
+        plain_losses = [_train_step(plain, optimizer, step, rank, world_size) for step in range(args["steps"])]
 
         piped, optimizer = build()
         piped_losses = []
@@ -216,12 +201,15 @@ def _predict(model, steps: list[int], rank: int, world_size: int) -> torch.Tenso
     return out
 
 
-def _train_step(model, optimizer, step: int, rank: int, world_size: int) -> None:
+def _train_step(model, optimizer, step: int, rank: int, world_size: int) -> float:
+    """One step of the sharded model on this rank's part of global batch `step`; its loss."""
     batch = batch_rows(step, rank, world_size)
     optimizer.zero_grad()
     logits, _ = model(batch)
-    model.module.loss(logits, batch.labels).backward()
+    loss = model.module.loss(logits, batch.labels)
+    loss.backward()
     optimizer.step()
+    return loss.item()
 
 
 EVAL_STEPS = [10, 11]  # held-out global batches for predictions
