@@ -154,8 +154,9 @@ class StepProfiler(Callback):
             if event.name in SYNC_OPS:  # with their total time: what they waited counts
                 syncs[event.name][0] += 1
                 syncs[event.name][1] += event.cpu_time
-                sync_sources[sync_source(event)][0] += 1
-                sync_sources[sync_source(event)][1] += event.cpu_time
+                source = sync_sources[sync_source(event)]
+                source[0] += 1
+                source[1] += event.cpu_time
         device_us = defaultdict(float)
         for name, (_, us) in kernels.items():
             device_us[kernel_family(name)] += us

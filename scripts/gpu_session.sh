@@ -14,6 +14,8 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD" TORCHINDUCTOR_COMPILE_THREADS=1
 # The comparison and the profile share one data cache and one inductor cache across their runs.
 GPU_DATA=(--config configs/gpu.yaml --data.data_dir=/tmp/data_cache)
+# The sharded path as the comparison's variant runs it: torchrec DMP, fbgemm's fused Adam on the tables.
+SHARDED_CONFIGS=(--config configs/sharded.yaml --config configs/sharded_adam.yaml)
 summary=()
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
@@ -31,13 +33,13 @@ for s in "$@"; do
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
     # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx
     # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing).
-    profile_sharded) SHARDED=(--config configs/sharded.yaml --config configs/sharded_adam.yaml --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx)
+    profile_sharded) SHARDED=("${SHARDED_CONFIGS[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx)
       step profile_sharded 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --out "$OUT/profile_step_sharded_h200"
       step profile_sharded_table_wise 300 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --sharding.sharding_type=table_wise --out "$OUT/profile_step_sharded_table_wise_h200" ;;
     # Which Python lines read CUDA tensors back (each a host wait), unsharded and sharded tlx, 40 steps each.
     trace_reads) TRACE=(--data.num_train=131072 --data.num_val=2048 --attn=tlx --trainer.max_steps=40 --trainer.val_check_interval=100000 --trainer.limit_val_batches=0 --runs_dir=/tmp/trace_runs)
       step trace_reads 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${TRACE[@]}"
-      step trace_reads_sharded 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" --config configs/sharded.yaml --config configs/sharded_adam.yaml "${TRACE[@]}" ;;
+      step trace_reads_sharded 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${SHARDED_CONFIGS[@]}" "${TRACE[@]}" ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
