@@ -108,14 +108,47 @@ class RankingTask(L.LightningModule):
         config, schema = self.model.config, self.model.schema
         return int(sample_token_counts(config, schema, history).sum()), train_step_flops(config, schema, history)
 
-    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+    def setup(self, stage: str) -> None:
+        strategy = self.trainer.strategy
+        pipelined = stage == "fit" and isinstance(strategy, sharding.TorchrecStrategy) and strategy.sharding.pipeline
+        # With sharding.pipeline, torchrec's pipeline runs forward, backward and the optimizer step,
+        # and Lightning hands the step its data iterator (the signature tells it to).
+        self.automatic_optimization = not pipelined
+        if pipelined:
+            self.training_step = self.pipelined_training_step
+        else:
+            self.__dict__.pop("training_step", None)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict]:
+        """The training loss, and the step's outputs: what torchrec's TrainPipelineSparseDist calls."""
         if self.model.config.compile and "reduce-overhead" in self.model.config.compile_mode:
             # CUDA-graph trees reuse their output memory from step to step: tell them a new one starts.
             torch.compiler.cudagraph_mark_step_begin()
         logits, _ = self.model(batch)
+        loss = self.model.loss(logits, batch.labels)
+        return loss, {"loss": loss.detach(), "batch": batch}
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         # Logged by StepMetrics, a window of steps at a time: a per-step self.log of a tensor would
         # read it back to the host (the progress bar does) and stall the device queue every step.
-        return self.model.loss(logits, batch.labels)
+        loss, _ = self(batch)
+        return loss
+
+    def pipelined_training_step(self, dataloader_iter) -> dict:
+        """The training step under sharding.pipeline: one batch, or at the end of an epoch's batches
+        every one still in flight. "steps" holds each trained batch's outputs (forward's, with "lr")."""
+        steps = self.trainer.strategy.train_pipeline.progress(dataloader_iter)
+        if isinstance(self.trainer.datamodule, CTRDataModule):
+            for step in steps:  # counted once trained: the pipeline fetched it two steps earlier
+                self.trainer.datamodule.count_trained(step["batch"])
+        return {"loss": steps[-1]["loss"], "steps": steps}
+
+    @staticmethod
+    def trained_steps(outputs: dict, batch: Batch) -> list[dict]:
+        """What a training step trained, one dict ("loss", "batch", ...) per batch. A pipelined step
+        trains a batch fetched two steps earlier, and at the end of an epoch's batches all that are left:
+        its outputs list them. Otherwise it is the batch Lightning's hooks are given."""
+        return outputs.get("steps") or [{"loss": outputs["loss"], "batch": batch}]
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         if self.model.config.compile and "reduce-overhead" in self.model.config.compile_mode:
@@ -223,24 +256,28 @@ class StepMetrics(Callback):
         return start.elapsed_time(end) / 1e3
 
     def on_train_batch_start(self, trainer, pl_module, batch: Batch, batch_idx: int) -> None:
-        tokens, flops = pl_module.step_flops(batch)
         self.pending.append(dict(step=trainer.global_step, start=self._mark(pl_module.device),
-                                 samples=batch.batch_size, tokens=tokens, flops=flops,
                                  lr=trainer.optimizers[0].param_groups[0]["lr"]))  # the rate this step uses
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Batch, batch_idx: int) -> None:
         record = self.pending[-1]
-        record.update(loss=outputs["loss"].detach(), end=self._mark(pl_module.device))
-        if trainer.global_step % trainer.log_every_n_steps == 0:
+        steps = pl_module.trained_steps(outputs, batch)
+        record.update(end=self._mark(pl_module.device), steps=[])
+        for step in steps:
+            tokens, flops = pl_module.step_flops(step["batch"])
+            record["steps"].append(dict(loss=step["loss"].detach(), lr=step.get("lr", record["lr"]),
+                                        samples=step["batch"].batch_size, tokens=tokens, flops=flops))
+        if trainer.global_step % trainer.log_every_n_steps < len(steps):  # passed a multiple this step
             shown = self.flush(trainer, keep_last=True)
             if shown is not None:
                 # As a CPU tensor: Lightning would put a float on the module's device and read it back
                 # for the progress bar at the end of every step, a host wait per step.
-                pl_module.log("train/loss", torch.tensor(shown), prog_bar=True, logger=False)
+                pl_module.log("train/loss", torch.tensor(shown), prog_bar=True, logger=False, batch_size=1)
 
     def flush(self, trainer, keep_last: bool) -> float | None:
         """Logs the pending steps (all but the newest if keep_last: its interval ends when the next
-        step starts); returns the newest logged loss."""
+        step starts); returns the newest logged loss. A step that trained several batches shares its
+        time equally among them, one row each."""
         finished = [r for r in self.pending if "end" in r]
         if not finished:
             return None
@@ -250,17 +287,19 @@ class StepMetrics(Callback):
         shown = None
         for record, following in zip(logged, [*finished[1:], None]):
             seconds = self._seconds(record["start"], following["start"] if following else record["end"])
-            loss = float(record["loss"])
-            metrics = {
-                "train/loss": loss, "train/lr": record["lr"], "train/step_ms": seconds * 1e3,
-                "train/samples_per_s": record["samples"] / seconds, "train/tokens_per_s": record["tokens"] / seconds,
-                "train/tflops": record["flops"] / seconds / 1e12,
-            }
-            if self.peak_flops:
-                metrics["train/mfu"] = record["flops"] / seconds / self.peak_flops
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=record["step"])
-            shown = loss
+            seconds /= len(record["steps"])
+            for offset, step in enumerate(record["steps"]):
+                loss = float(step["loss"])
+                metrics = {
+                    "train/loss": loss, "train/lr": step["lr"], "train/step_ms": seconds * 1e3,
+                    "train/samples_per_s": step["samples"] / seconds, "train/tokens_per_s": step["tokens"] / seconds,
+                    "train/tflops": step["flops"] / seconds / 1e12,
+                }
+                if self.peak_flops:
+                    metrics["train/mfu"] = step["flops"] / seconds / self.peak_flops
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=record["step"] + offset)
+                shown = loss
         self.pending = self.pending[len(logged):]  # the logged records are the oldest ones
         return shown
 

@@ -94,12 +94,6 @@ class StepProfiler(Callback):
             self._sync(pl_module)
             self.marks = {"start": time.perf_counter(), "host_before": self._host_durations(trainer), "flops": 0,
                           "tokens": 0, "samples": 0, "history": []}
-        if self.warmup <= step < self.warmup + self.steps:
-            tokens, flops = pl_module.step_flops(batch)
-            self.marks["flops"] += flops
-            self.marks["tokens"] += tokens
-            self.marks["samples"] += batch.batch_size
-            self.marks["history"].append(batch.history_lengths)
         if step == self.warmup + self.steps:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if pl_module.device.type == "cuda":
@@ -110,6 +104,13 @@ class StepProfiler(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step  # already counts the step that just ended
+        if self.warmup < step <= self.warmup + self.steps:
+            for trained in pl_module.trained_steps(outputs, batch):
+                tokens, flops = pl_module.step_flops(trained["batch"])
+                self.marks["flops"] += flops
+                self.marks["tokens"] += tokens
+                self.marks["samples"] += trained["batch"].batch_size
+                self.marks["history"].append(trained["batch"].history_lengths)
         if step == self.warmup + self.steps:
             self._sync(pl_module)
             self.marks["wall"] = time.perf_counter() - self.marks["start"]

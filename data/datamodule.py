@@ -201,9 +201,15 @@ class CTRDataModule(lightning.LightningDataModule):
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Counted as a training step takes the batch, not as the loader yields it: Lightning fetches
         # one batch ahead, and a checkpoint must resume at the first batch no step has seen.
-        if self.train_sampler is not None and self.trainer is not None and self.trainer.training:
-            self.train_sampler.consumed += batch.batch_size
+        if self.trainer is not None and self.trainer.training:
+            self.count_trained(batch)
         return batch
+
+    def count_trained(self, batch) -> None:
+        """Moves the resume point of the training epoch past `batch`. Lightning's own batch transfer
+        calls it; a step that fetches batches itself (sharding.pipeline) calls it once it has trained one."""
+        if self.train_sampler is not None:
+            self.train_sampler.consumed += batch.batch_size
 
     def state_dict(self) -> dict:
         return {"train_sampler": self.train_sampler.state_dict()} if self.train_sampler is not None else {}

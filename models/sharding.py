@@ -74,7 +74,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torchmetrics import Metric
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -86,7 +86,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner.constants import DDR_CAP, HBM_CAP
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
-from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import ShardedModule, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer
 
@@ -198,6 +198,10 @@ class ShardingConfig:
             gradient of the global-mean loss, like DDP's dense gradients; False sums over the ranks.
         copy_weights: copy the unsharded tables' values into the shards (False: torchrec's own
             initialization of the shards).
+        pipeline: train through torchrec's TrainPipelineSparseDist (TorchrecStrategy; see
+            LightningTrainPipeline): the next batch is copied to the device and its features are
+            distributed on side streams while this step computes, so the host never waits for the
+            device in the input all-to-all's split exchange.
     """
 
     sharding_type: str = "table_wise"
@@ -211,6 +215,7 @@ class ShardingConfig:
     planner_batch_size: int | None = None
     average_sparse_gradients: bool = True
     copy_weights: bool = True
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, Mapping):
@@ -1088,6 +1093,170 @@ def load_unsharded(path: str | Path, model: nn.Module, *, strict: bool = True) -
 _SHARDED_ATTRIBUTE = "_torchrec_sharded"  # (DMP, ShardingConfig, plan) on a LightningModule sharded by the strategy
 
 
+class LightningTrainPipeline:
+    """torchrec's TrainPipelineSparseDist driven by Lightning's training loop (ShardingConfig.pipeline).
+
+    The pipeline runs forward, backward and the optimizer step itself, and fetches two batches ahead:
+    while batch i trains, batch i+1's features are distributed and batch i+2 is copied to the device,
+    each on its own stream. So the LightningModule trains under manual optimization, taking Lightning's
+    data iterator (training_step(dataloader_iter)), and its forward(batch) must return (loss, a dict of
+    outputs), as the pipeline calls it. progress() trains one batch per Lightning step, except at the
+    end of an epoch's batches: the batches still in flight train in that same step (each one an
+    optimizer step and a count in Lightning's batch progress), so an epoch ends with all of its
+    batches trained and a checkpoint at its end resumes exactly. What differs from automatic
+    optimization: no fp16 gradient scaler (32-true or bf16-mixed), no gradient accumulation, and
+    Lightning validates at every epoch's end (its rule for a step that takes the iterator).
+    """
+
+    def __init__(self, strategy: "TorchrecStrategy"):
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        self.strategy = strategy
+        self.pipeline = TrainPipelineSparseDist(strategy.model, _PipelineOptimizer(strategy), strategy.root_device)
+        self._epoch_iterator: Any = None  # Lightning's iterator of the current epoch
+        self._batches: _EpochBatches | None = None
+        self._paused: list[tuple[nn.Module, Any]] = []
+        self._announced = False
+
+    def progress(self, dataloader_iter: Any) -> list[dict[str, Any]]:
+        """Trains the next batch, or at the end of the epoch's batches every one left; returns, per
+        trained batch, the forward's outputs with "lr", the rate its optimizer step used."""
+        trainer = self.strategy.lightning_module.trainer
+        epoch_loop = trainer.fit_loop.epoch_loop
+        batch_progress = epoch_loop.batch_progress
+        if dataloader_iter is not self._epoch_iterator:  # a new (or resumed) epoch
+            # Lightning has counted this step's batch already; limit_train_batches may end the epoch early.
+            remaining = trainer.num_training_batches - (batch_progress.current.ready - 1)
+            self._epoch_iterator, self._batches = dataloader_iter, _EpochBatches(dataloader_iter, remaining)
+        # Lightning's validation leaves the DMP in eval mode (it restores the LightningModule's mode
+        # only), and the pipeline skips backward and the optimizer step for a model in eval mode.
+        self.strategy.model.train(self.strategy.lightning_module.training)
+        steps = [self._train_one()]
+        if not self._announced:  # the first step traced the model and chose the modules to pipeline
+            self._announced = True
+            pipelined = len(self.pipeline._pipelined_modules)
+            rank_zero_info(f"sharding.pipeline: TrainPipelineSparseDist pipelines {pipelined} sharded module(s)")
+            if not pipelined:
+                rank_zero_warn("sharding.pipeline pipelines no sharded module: their features do not come straight from "
+                               "the batch, so every input all-to-all still runs inside its step")
+        if self._batches.exhausted:
+            while trainer.max_steps < 0 or trainer.global_step < trainer.max_steps:
+                try:
+                    steps.append(self._train_one())
+                except StopIteration:
+                    break
+            # Lightning counts one batch per step, in its batch progress (validation schedule, epoch
+            # end) and in the step its loggers see (the validation rows' index).
+            batch_progress.increment_by(len(steps) - 1)
+            epoch_loop._batches_that_stepped += len(steps) - 1
+        return steps
+
+    def _train_one(self) -> dict[str, Any]:
+        lr = self.strategy.optimizers[0].param_groups[0]["lr"]
+        outputs = self.pipeline.progress(self._batches)
+        if not isinstance(outputs, Mapping):
+            raise TypeError("with sharding.pipeline, the LightningModule's forward must return (loss, dict of outputs); "
+                            f"its second item was a {type(outputs).__name__}")
+        return {**outputs, "lr": lr}
+
+    def pause(self) -> None:
+        """Gives the sharded modules back their own forwards (for validation): the pipeline replaced
+        them with ones that read features it distributed ahead, which a validation batch never is.
+        Not pipeline.detach(): re-attaching restarts the input all-to-all of the batch in flight."""
+        self._paused = [(module, module.__dict__.pop("forward"))
+                        for module in _sharded_modules_and_input_dists(self.strategy.model) if "forward" in module.__dict__]
+
+    def resume(self) -> None:
+        for module, forward in self._paused:
+            module.forward = forward
+        self._paused = []
+
+
+def _sharded_modules_and_input_dists(model: nn.Module) -> Iterable[nn.Module]:
+    """The modules whose forwards the pipeline replaces: the sharded modules, and the all-to-alls of
+    their input dists (held in plain lists, out of modules()' reach)."""
+    for sharded in model.modules():
+        if isinstance(sharded, ShardedModule):
+            for module in sharded.modules():
+                yield module
+                for input_dist in getattr(module, "_input_dists", None) or []:
+                    yield from input_dist.modules()
+
+
+class _EpochBatches:
+    """The Batches of Lightning's (batch, batch_idx, dataloader_idx) iterator, at most `remaining`
+    of them; `exhausted` once the pipeline has taken the last."""
+
+    def __init__(self, dataloader_iter: Any, remaining: int):
+        self.dataloader_iter, self.remaining, self.exhausted = dataloader_iter, remaining, False
+
+    def __iter__(self) -> "_EpochBatches":
+        return self
+
+    def __next__(self) -> Any:
+        if self.remaining <= 0:
+            self.exhausted = True
+            raise StopIteration
+        try:
+            batch, _, _ = next(self.dataloader_iter)
+        except StopIteration:
+            self.exhausted = True
+            raise
+        self.remaining -= 1
+        if self.remaining == 0 or getattr(self.dataloader_iter, "done", False):
+            self.exhausted = True
+        return batch
+
+
+class _PipelineOptimizer:
+    """What TrainPipelineSparseDist steps once per batch, doing what Lightning's automatic
+    optimization would around the LightningModule's one optimizer."""
+
+    def __init__(self, strategy: "TorchrecStrategy"):
+        self.strategy = strategy
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The first thing of each step, before its backward (where the fused table update runs).
+        self.strategy._schedule_sparse_lr()
+        self.strategy.lightning_module.optimizers().zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        module = self.strategy.lightning_module
+        trainer = module.trainer
+        optimizer = module.optimizers()  # the LightningOptimizer: its step counts the global step
+        if trainer.gradient_clip_val:
+            module.configure_gradient_clipping(optimizer.optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        optimizer.step()
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.step()
+
+
+def _check_pipeline_supported(trainer: pl.Trainer, strategy: "TorchrecStrategy") -> None:
+    problems = []
+    if getattr(strategy.precision_plugin, "scaler", None) is not None:
+        problems.append(f"precision {trainer.precision!r} scales the loss, which the pipeline's backward does not: use 32-true or bf16-mixed")
+    if trainer.accumulate_grad_batches != 1:
+        problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: the pipeline steps the optimizer every batch")
+    if len(strategy.optimizers) != 1:
+        problems.append(f"{len(strategy.optimizers)} optimizers: the pipeline steps one")
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != "step" or config.frequency != 1 or config.reduce_on_plateau:
+            problems.append(f"LR scheduler {type(config.scheduler).__name__} (interval {config.interval!r}, frequency "
+                            f"{config.frequency}): the pipeline steps schedulers every step")
+    if problems:
+        raise ValueError("sharding.pipeline cannot train this setup: " + "; ".join(problems))
+
+
+def _carry_step_count(trainer: pl.Trainer, pipelined: bool) -> None:
+    """Lightning counts optimizer steps separately under automatic and manual optimization; a run
+    resumed with sharding.pipeline switched continues the count the checkpoint's mode kept."""
+    loop = trainer.fit_loop.epoch_loop
+    automatic, manual = loop.automatic_optimization.optim_progress.optimizer.step, loop.manual_optimization.optim_step_progress
+    source, target = (automatic, manual) if pipelined else (manual, automatic)
+    if source.total.completed > target.total.completed:
+        target.load_state_dict(source.state_dict())
+
+
 class TorchrecStrategy(DDPStrategy):
     """Lightning's DDP, with the model wrapped by torchrec's DistributedModelParallel instead of DDP:
     embedding tables sharded by shard_model (fused sparse optimizer), everything else data parallel.
@@ -1109,6 +1278,7 @@ class TorchrecStrategy(DDPStrategy):
       batches must also have one size on all ranks (torchrec's backward all-gathers them); batches
       of different sizes are fine for validation.
     - Precision: 32-true or *-mixed (the tables stay fp32); manual optimization is not supported.
+    - sharding.pipeline trains through torchrec's TrainPipelineSparseDist (LightningTrainPipeline).
     """
 
     strategy_name = "torchrec"
@@ -1140,6 +1310,7 @@ class TorchrecStrategy(DDPStrategy):
         self.sharding = ShardingConfig(**sharding) if isinstance(sharding, Mapping) else (sharding or ShardingConfig())
         self.plan: ShardingPlan | None = None
         self.sparse: CombinedOptimizer | None = None  # the tables' fused optimizer, once sharded
+        self.train_pipeline: LightningTrainPipeline | None = None  # with sharding.pipeline, while fitting
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -1195,6 +1366,10 @@ class TorchrecStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self.train_pipeline = None
+        if fitting and self.sharding.pipeline:
+            _check_pipeline_supported(trainer, self)
+            self.train_pipeline = LightningTrainPipeline(self)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -1208,6 +1383,11 @@ class TorchrecStrategy(DDPStrategy):
             rank_zero_info(f"TorchrecStrategy: {removed} fused table parameter(s) left to the sparse optimizer")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.train_pipeline is not None:
+            # The step calls the pipeline, which calls the DMP (and its DDP) itself: not inside another
+            # DDP forward, as Lightning's redirection would. It sets the sparse lr at every batch.
+            with self.precision_plugin.train_step_context():
+                return self.lightning_module.training_step(*args, **kwargs)
         self._schedule_sparse_lr()
         return super().training_step(*args, **kwargs)
 
@@ -1242,13 +1422,22 @@ class TorchrecStrategy(DDPStrategy):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._check_same_batch_counts("training", self.lightning_module.trainer.num_training_batches)
+        trainer = self.lightning_module.trainer
+        self._check_same_batch_counts("training", trainer.num_training_batches)
+        _carry_step_count(trainer, pipelined=self.train_pipeline is not None)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        if self.train_pipeline is not None:
+            self.train_pipeline.pause()
         trainer = self.lightning_module.trainer
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
         self._check_same_batch_counts("validation", counts)
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.train_pipeline is not None:
+            self.train_pipeline.resume()
 
     def on_test_start(self) -> None:
         super().on_test_start()

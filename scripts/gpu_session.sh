@@ -32,10 +32,14 @@ for s in "$@"; do
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
     # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx
-    # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing).
+    # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing);
+    # each with the plain step and through torchrec's TrainPipelineSparseDist (sharding.pipeline).
     profile_sharded) SHARDED=("${SHARDED_CONFIGS[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx)
-      step profile_sharded 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --out "$OUT/profile_step_sharded_h200"
-      step profile_sharded_table_wise 300 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" --sharding.sharding_type=table_wise --out "$OUT/profile_step_sharded_table_wise_h200" ;;
+      for variant in "" _table_wise; do for pipeline in "" _pipeline; do
+        name=profile_sharded$variant$pipeline
+        step $name 300 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" ${variant:+--sharding.sharding_type=table_wise} \
+          ${pipeline:+--sharding.pipeline=true} --out "$OUT/profile_step_sharded$variant${pipeline}_h200"
+      done; done ;;
     # Which Python lines read CUDA tensors back (each a host wait), unsharded and sharded tlx, 40 steps each.
     trace_reads) TRACE=(--data.num_train=131072 --data.num_val=2048 --attn=tlx --trainer.max_steps=40 --trainer.val_check_interval=100000 --trainer.limit_val_batches=0 --runs_dir=/tmp/trace_runs)
       step trace_reads 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${TRACE[@]}"

@@ -415,3 +415,49 @@ def test_train_py_on_two_cpu_processes_then_resumed_on_one(tmp_path):
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows if r["train/loss"]] == list(range(45))
     assert all(float(r["train/loss"]) > 0 for r in rows if r["train/loss"])
+
+
+def _losses_and_validations(run_folder: Path) -> tuple[dict[int, float], dict[int, float]]:
+    with open(run_folder / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return ({int(r["step"]): float(r["train/loss"]) for r in rows if r["train/loss"]},
+            {int(r["step"]): float(r["val/auc"]) for r in rows if r["val/auc"]})
+
+
+def test_train_py_pipelined_matches_plain_across_epoch_end_validation_and_resume(tmp_path):
+    """sharding.pipeline (torchrec's TrainPipelineSparseDist driven by Lightning) on 2 gloo processes:
+    the plain step's loss at every step, across an epoch's end (16 batches per rank: the pipeline's
+    last two batches of the epoch train in its last step) and validations; and a run stopped after its
+    step-19 checkpoint (two batches in flight), resumed from it, repeats the uninterrupted run."""
+    flat = "--model.optim.min_lr_ratio=1.0"  # a learning rate that does not depend on max_steps
+    plain = _train(tmp_path / "plain", 2, flat)
+    piped = _train(tmp_path / "piped", 2, flat, "--sharding.pipeline=true")
+    for result in (plain, piped):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "TrainPipelineSparseDist pipelines 2 sharded module(s)" in piped.stderr
+    plain_losses, plain_validations = _losses_and_validations(tmp_path / "plain" / "runs" / "tiny" / "version_0")
+    piped_losses, piped_validations = _losses_and_validations(tmp_path / "piped" / "runs" / "tiny" / "version_0")
+    assert sorted(piped_losses) == list(range(40))
+    for step, loss in plain_losses.items():
+        assert piped_losses[step] == pytest.approx(loss, abs=1e-6), step
+    # Lightning also validates at each epoch's end (steps 15 and 31) when the step takes its iterator.
+    assert sorted(plain_validations) == [19, 39] and sorted(piped_validations) == [15, 19, 31, 39]
+    for step, auc in plain_validations.items():
+        assert piped_validations[step] == pytest.approx(auc, abs=1e-6)
+
+    stopped_folder = tmp_path / "stopped" / "runs" / "tiny" / "version_0"
+    stopped = _train(tmp_path / "stopped", 2, flat, "--sharding.pipeline=true", "--trainer.max_steps=25")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    resumed = _train(tmp_path / "stopped", 2, flat, "--sharding.pipeline=true",
+                     f"--ckpt_path={stopped_folder / 'checkpoints' / 'last.ckpt'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_losses, _ = _losses_and_validations(stopped_folder)
+    assert sorted(resumed_losses) == list(range(40))
+    for step, loss in piped_losses.items():
+        assert resumed_losses[step] == pytest.approx(loss, abs=1e-6), step
+
+
+def test_train_py_pipeline_rejects_gradient_accumulation(tmp_path):
+    result = _train(tmp_path, 1, "--sharding.pipeline=true", "--trainer.accumulate_grad_batches=2")
+    assert result.returncode != 0
+    assert "sharding.pipeline cannot train this setup: accumulate_grad_batches=2" in result.stderr

@@ -183,12 +183,13 @@ def test_progress_bar_loss_is_handed_to_lightning_on_the_host():
     float on the module's device and converts it back for the progress bar after every step: on the
     H200 that was a host wait per step (benchmarks/results/README.md, fourth session)."""
     logged = {}
-    module = SimpleNamespace(device=torch.device("cpu"), log=lambda name, value, **kwargs: logged.update({name: value}))
+    module = SimpleNamespace(device=torch.device("cpu"), log=lambda name, value, **kwargs: logged.update({name: value}),
+                             trained_steps=train.RankingTask.trained_steps, step_flops=lambda batch: (8, 16))
     trainer = SimpleNamespace(global_step=2, log_every_n_steps=2, loggers=[])
     metrics = train.StepMetrics(peak_flops=None)
     for step, start in ((1, 0.0), (2, 0.5)):
-        metrics.pending.append(dict(step=step, start=start, samples=4, tokens=8, flops=16, lr=0.1))
-        metrics.on_train_batch_end(trainer, module, {"loss": torch.tensor(0.75)}, None, 0)
+        metrics.pending.append(dict(step=step, start=start, lr=0.1))
+        metrics.on_train_batch_end(trainer, module, {"loss": torch.tensor(0.75)}, SimpleNamespace(batch_size=4), 0)
     shown = logged["train/loss"]
     assert isinstance(shown, torch.Tensor) and shown.device.type == "cpu" and shown.item() == 0.75
 
