@@ -232,8 +232,11 @@ def host_phases(actions_ms: dict, wall_ms: float) -> dict:
     per = {name: sum(ms for action, ms in actions_ms.items() if re.search(pattern, action))
            for name, pattern in HOST_ACTIONS.items()}
     phases = {phase: per[phase] for phase in HOST_PHASES if phase in per}
-    phases["optimizer step"] = per["optimizer_step action"] - sum(
-        per[p] for p in ("forward (training_step)", "backward", "gradient clipping"))
+    if per["optimizer_step action"]:  # automatic optimization: it wraps training_step, backward and clipping
+        phases["optimizer step"] = per["optimizer_step action"] - sum(
+            per[p] for p in ("forward (training_step)", "backward", "gradient clipping"))
+    else:  # manual optimization (sharding.pipeline): training_step runs backward and the optimizer step too
+        phases.update({"backward": None, "gradient clipping": None, "optimizer step": None})
     outside = ("fetch batch", "move batch to device", "run_training_batch", "callbacks", "profiler's own hooks")
     phases["Lightning and everything else"] = wall_ms - sum(per[p] for p in outside)
     return {phase: phases[phase] for phase in HOST_PHASES}
@@ -318,7 +321,9 @@ def render_markdown(reports: dict, command: str) -> str:
         "Device time sums the GPU kernels and copies of the profiled steps by name (benchmarks/profile_step.py's "
         "KERNEL_FAMILIES), whatever stream or order they ran in; when it is far below the wall time the GPU "
         "waited for the host. Host phases are Lightning's SimpleProfiler durations; with CUDA graphs the forward "
-        "and backward launch whole graphs, so their host time shrinks to the replay calls.",
+        "and backward launch whole graphs, so their host time shrinks to the replay calls. Under manual "
+        "optimization (sharding.pipeline) the training_step row is the whole step: forward, backward and "
+        "optimizer step (—).",
         "",
     ]
     for backend, report in reports.items():

@@ -44,6 +44,16 @@ def test_host_phases_take_the_closure_out_of_the_optimizer_step():
     assert phases["Lightning and everything else"] == pytest.approx(12.0 - 10.5 - 0.5)
 
 
+def test_host_phases_under_manual_optimization_leave_the_whole_step_to_training_step():
+    """sharding.pipeline's step runs backward and the optimizer step inside training_step; Lightning
+    profiles no optimizer_step around it, so no phase may come out negative."""
+    actions = {"[Strategy]X.training_step": 13.0, "optimizer_step": 0.7, "run_training_batch": 13.1,
+               "[_TrainingEpochLoop].train_dataloader_next": 0.2}
+    phases = host_phases(actions, wall_ms=14.0)
+    assert phases["forward (training_step)"] == pytest.approx(13.0)
+    assert phases["backward"] is phases["optimizer step"] is phases["gradient clipping"] is None
+
+
 def test_profile_of_the_tiny_config(tmp_path):
     out = tmp_path / "profile"
     result = subprocess.run(
