@@ -1130,7 +1130,10 @@ class LightningTrainPipeline:
             self._epoch_iterator, self._batches = dataloader_iter, _EpochBatches(dataloader_iter, remaining)
         # Lightning's validation leaves the DMP in eval mode (it restores the LightningModule's mode
         # only), and the pipeline skips backward and the optimizer step for a model in eval mode.
-        self.strategy.model.train(self.strategy.lightning_module.training)
+        # Compared first: train() walks every submodule, host work this step need not pay otherwise.
+        dmp, training = self.strategy.model, self.strategy.lightning_module.training
+        if dmp.training != training:
+            dmp.train(training)
         steps = [self._train_one()]
         if not self._announced:  # the first step traced the model and chose the modules to pipeline
             self._announced = True
