@@ -422,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     # Fail before any data is prepared if the chosen kernel cannot run on this device.
     try:
         kernels.check_backend(task.model.config.attn_backend, trainer.strategy.root_device)
+        if task.model.config.fused_mlp:
+            kernels.check_mlp_backend(task.model.config.mlp_backend, trainer.strategy.root_device)
     except kernels.BackendUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -1,4 +1,5 @@
-"""Block attention over jagged sequences: one API, several backends (see dispatch.py)."""
+"""Block attention over jagged sequences, and the fused MLP sublayer: one API each, several backends
+(see dispatch.py and mlp_dispatch.py)."""
 
 from .blocks import BLOCK_SIZE, BlockTable, block_cu_seqlens, block_table, offsets_from_lengths
 from .dispatch import (
@@ -12,12 +13,15 @@ from .dispatch import (
     get_backend,
     validate_offsets,
 )
+from .mlp_dispatch import MLP_BACKENDS, check_mlp_backend, mlp_sublayer
+from .mlp_sublayer_reference import mlp_sublayer_reference
 from .reference import block_attention_reference
 from .rotary import Rotary, apply_rotary, rotary_tables
 
 __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
+    "MLP_BACKENDS",
     "BLOCK_SIZE",
     "BackendUnavailableError",
     "BlockTable",
@@ -30,7 +34,10 @@ __all__ = [
     "block_cu_seqlens",
     "block_table",
     "check_backend",
+    "check_mlp_backend",
     "get_backend",
+    "mlp_sublayer",
+    "mlp_sublayer_reference",
     "offsets_from_lengths",
     "rotary_tables",
     "validate_offsets",

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .dispatch import block_attention
+from .mlp_dispatch import mlp_sublayer
+from .mlp_sublayer_reference import mlp_sublayer_reference
 from .reference import block_attention_reference
 from .rotary import Rotary, rotary_tables
 
@@ -103,23 +105,82 @@ def parity(
     runs = [_out_and_grads(kernel, (q, k, v), grad_out) for _ in range(2)]
     same_precision = _out_and_grads(lambda *x: reference(*x, upcast=False), (q, k, v), grad_out)
     truth = _out_and_grads(reference, [x.double() for x in (q, k, v)], grad_out.double())
-    for name, got, again, plain, exact in zip(OUTPUTS, *runs, same_precision, truth):
+    _judge(result, OUTPUTS, runs, same_precision, truth, dtype)
+    return result
+
+
+def _judge(result: ParityResult, names, runs, same_precision, truth, dtype: torch.dtype) -> None:
+    """Applies the rule of the module doc to each named output (the first is the forward's, the rest
+    gradients), recording the numbers and checks in `result`."""
+    for index, (name, got, again, plain, exact) in enumerate(zip(names, *runs, same_precision, truth)):
         err = (got.double() - exact).abs().max().item() if got.numel() else 0.0
         torch_err = (plain.double() - exact).abs().max().item() if got.numel() else 0.0
         bound = ERROR_RATIO * torch_err + ABS_FLOOR[dtype]
         snr = snr_db(got, exact)
         checks = {
             "finite": bool(torch.isfinite(got).all()),
-            "dtype": got.dtype == dtype and got.shape == exact.shape,
+            "dtype": got.dtype == plain.dtype and got.shape == exact.shape,
             "error_ratio": err <= bound,
-            "snr": name == "out" or snr >= MIN_GRAD_SNR_DB,
+            "snr": index == 0 or snr >= MIN_GRAD_SNR_DB,
             "deterministic": torch.equal(got, again),
         }
         result.outputs[name] = dict(max_err=err, torch_max_err=torch_err, bound=bound, snr_db=snr,
-                                    rounding_floor=(exact.to(dtype).double() - exact).abs().max().item()
+                                    rounding_floor=(exact.to(got.dtype).double() - exact).abs().max().item()
                                     if got.numel() else 0.0, **checks)
         for check, passed in checks.items():
             if not passed:
                 detail = {"error_ratio": f" ({err:.3g} > {bound:.3g})", "snr": f" ({snr:.1f} dB)"}.get(check, "")
                 result.failures.append(f"{name} {check}{detail}")
+
+
+MLP_OUTPUTS = ("y", "dx", "dnorm_weight", "dnorm_bias", "dw1", "db1", "dw2", "db2")
+
+
+def mlp_parity(
+    backend: str,
+    *,
+    tokens: int = 200,
+    d_model: int = 64,
+    hidden: int = 256,
+    x_dtype: torch.dtype = torch.bfloat16,
+    compute_dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    launch: dict | None = None,
+) -> ParityResult:
+    """Judges an mlp_sublayer backend by the module doc's rule on one random batch of `tokens` rows:
+    y and the gradients of x and of every parameter, against the fp64 reference on the same (rounded)
+    inputs. x (and LayerNorm's affine) are in x_dtype, the linears' weights in compute_dtype (x_dtype
+    if None), as under autocast; the error floor is the compute dtype's."""
+    device = torch.device(device)
+    compute_dtype = compute_dtype or x_dtype
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0, shift=0.0, dtype=compute_dtype):
+        return (torch.randn(*shape, generator=generator) * scale + shift).to(dtype).to(device)
+
+    # nn.Linear-like scales; a LayerNorm affine away from its (1, 0) start; x with a per-token offset
+    # and scale, so the normalization has work to do. Rounded once: the truth sees what the kernel sees.
+    leaves = [
+        draw(tokens, d_model, dtype=x_dtype) * draw(tokens, 1, scale=0.5, shift=1.0, dtype=x_dtype)
+        + draw(tokens, 1, dtype=x_dtype),
+        draw(d_model, scale=0.1, shift=1.0, dtype=x_dtype), draw(d_model, scale=0.1, dtype=x_dtype),
+        draw(hidden, d_model, scale=d_model ** -0.5), draw(hidden, scale=0.1),
+        draw(d_model, hidden, scale=hidden ** -0.5), draw(d_model, scale=0.1),
+    ]
+    grad_y = draw(tokens, 2 * d_model, dtype=x_dtype)[:, :d_model]  # strided: the backward must honour it
+    label = (f"T{tokens} D{d_model} H{hidden} x={str(x_dtype).removeprefix('torch.')} "
+             f"compute={str(compute_dtype).removeprefix('torch.')}")
+    result = ParityResult(backend, dict(label=label, tokens=tokens, d_model=d_model, hidden=hidden,
+                                        x_dtype=str(x_dtype), compute_dtype=str(compute_dtype), device=str(device),
+                                        seed=seed))
+
+    def kernel(*x):
+        return mlp_sublayer(*x, backend=backend, launch=launch)
+
+    runs = [_out_and_grads(kernel, leaves, grad_y) for _ in range(2)]
+    same_precision = _out_and_grads(lambda *x: mlp_sublayer_reference(*x, compute_dtype=compute_dtype), leaves, grad_y)
+    truth = _out_and_grads(lambda *x: mlp_sublayer_reference(*x, compute_dtype=torch.float64),
+                           [x.double() for x in leaves], grad_y.double())
+    _judge(result, MLP_OUTPUTS, runs, same_precision, truth, compute_dtype)
     return result

@@ -32,7 +32,16 @@ from torchrec import (
 
 from data.batch import Batch
 from data.schema import FeatureSchema
-from kernels import BACKENDS, BlockTable, Rotary, block_attention, block_table, rotary_tables
+from kernels import (
+    BACKENDS,
+    MLP_BACKENDS,
+    BlockTable,
+    Rotary,
+    block_attention,
+    block_table,
+    mlp_sublayer,
+    rotary_tables,
+)
 
 
 @dataclass
@@ -50,6 +59,9 @@ class RankingModelConfig:
         rotary_within_block: rotary positions restart at every 64-token block.
         rotate_v: rotate v as well as q and k.
         attn_backend: block_attention backend: auto, reference, fa2, triton or tlx.
+        fused_mlp: run each layer's LayerNorm + MLP + residual as one fused op
+            (kernels.mlp_sublayer), on the attention backend's kernels where it has them (triton,
+            tlx, reference), else on the fastest that runs here; False is the unfused reference path.
         compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
             head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
         compile_mode: torch.compile's mode; "reduce-overhead" also replays the tower from CUDA graphs,
@@ -69,6 +81,7 @@ class RankingModelConfig:
     rotary_within_block: bool = False
     rotate_v: bool = False
     attn_backend: str = "auto"
+    fused_mlp: bool = False
     compile: bool = False
     compile_mode: str = "default"
     pad_tokens_to: int = 0
@@ -92,6 +105,11 @@ class RankingModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def mlp_backend(self) -> str:
+        """The fused MLP sublayer's backend: the attention backend's own kernels where it has them."""
+        return self.attn_backend if self.attn_backend in MLP_BACKENDS else "auto"
 
 
 @dataclass
@@ -135,6 +153,7 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.attn_backend = config.attn_backend
+        self.mlp_backend = config.mlp_backend if config.fused_mlp else None
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
@@ -149,7 +168,12 @@ class AttentionLayer(nn.Module):
         # The table and rotary tables are built once per batch (DenseTower.forward).
         attn = block_attention(q, k, v, table, rotary=rotary, backend=self.attn_backend)
         x = x + self.out_proj(attn.reshape(num_tokens, d_model))
-        return x + self.mlp(self.mlp_norm(x))
+        if self.mlp_backend is None:
+            return x + self.mlp(self.mlp_norm(x))
+        # The same parameters (and state dict) as the unfused path, in one op.
+        up, down = self.mlp[0], self.mlp[2]
+        return mlp_sublayer(x, self.mlp_norm.weight, self.mlp_norm.bias, up.weight, up.bias, down.weight, down.bias,
+                            eps=self.mlp_norm.eps, backend=self.mlp_backend)
 
 
 class DenseTower(nn.Module):

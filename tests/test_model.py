@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -238,3 +239,40 @@ def test_compiled_model_matches_eager_on_cpu(model):
         compiled_grads = torch.autograd.grad(compiled_loss, list(compiled.parameters()))
         for (name, _), a, b in zip(model.named_parameters(), compiled_grads, eager_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("mlp_backend", ("reference", "triton"))
+def test_fused_mlp_switch_keeps_the_model(model, mlp_backend):
+    """model.net.fused_mlp runs each layer's MLP sublayer as one op on the same parameters (and state
+    dict): the reference op is bitwise the unfused path; the Triton kernels (interpreter, fp32) match
+    it, loss and every gradient, eager and (the kernels' custom ops inside inductor's graph) compiled."""
+    if mlp_backend == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+    batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
+    expected_loss = model.loss(model(batch)[0], batch.labels)
+    expected_grads = torch.autograd.grad(expected_loss, list(model.parameters()))
+    for compile in (False,) if mlp_backend == "reference" else (False, True):
+        fused = RankingModel(SCHEMA, dataclasses.replace(CONFIG, attn_backend="reference", fused_mlp=True,
+                                                         compile=compile, pad_tokens_to=64 if compile else 0))
+        assert fused.config.mlp_backend == "reference"
+        # The attention backend names the MLP's kernels; set it after the attention check above.
+        for layer in fused.tower.layers:
+            layer.mlp_backend = mlp_backend
+        fused.load_state_dict(model.state_dict())
+        loss = fused.loss(fused(batch)[0], batch.labels)
+        grads = torch.autograd.grad(loss, list(fused.parameters()))
+        if mlp_backend == "reference":
+            assert torch.equal(loss, expected_loss)
+            assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+        for (name, _), a, b in zip(model.named_parameters(), grads, expected_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_mlp_follows_the_attention_backend():
+    assert RankingModelConfig(attn_backend="tlx", fused_mlp=True).mlp_backend == "tlx"
+    assert RankingModelConfig(attn_backend="triton", fused_mlp=True).mlp_backend == "triton"
+    # fa2 has no MLP kernels: the fastest that runs.
+    assert RankingModelConfig(attn_backend="fa2", fused_mlp=True).mlp_backend == "auto"

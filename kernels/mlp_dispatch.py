@@ -1,0 +1,233 @@
+"""The fused MLP sublayer, `y = x + W2 · GELU(W1 · LayerNorm(x) + b1) + b2`: one entry point that
+validates once and routes by backend name, and the one factory that makes a kernel backend's ops.
+
+The sublayer is token-local, so a kernel runs it per tile of tokens: x is read once and y written
+once, and the 4·d hidden stays on chip but for one bf16 copy of the pre-activation (below).
+Backends: `reference` (kernels/mlp_sublayer_reference.py, today's unfused PyTorch path), `triton`
+(kernels/mlp_sublayer_triton.py) and `tlx` (kernels/mlp_sublayer_tlx.py); whether a kernel backend
+can run on a device is the same question as for block attention's backend of that name.
+
+What the kernels save for the backward, and why (per token, d = d_model, H = 4d hidden):
+- saved: the pre-activation W1·LN(x)+b1 in the compute dtype (2H bytes) and LayerNorm's mean and
+  1/std (8 bytes). Recomputing the pre-activation would cost 2·d·H FLOPs to save 2H bytes of
+  writing and 2H of reading, 2·d/2 = 256 FLOPs a byte at d = 256, above the H200's ridge
+  (~125 FLOPs/byte at ~600 TFLOP/s and 4.8 TB/s): storing it is cheaper.
+- recomputed: LN(x) from x and the two statistics (x is read by the backward anyway), and
+  GELU(pre-activation) and its derivative (elementwise, free beside the matmuls).
+The backward is one token-tile kernel (dx, through LN's backward, and the hidden gradient) plus two
+weight-gradient GEMMs over all tokens (cuBLAS on a GPU); bias and LayerNorm-affine gradients come
+from per-tile partial sums added in a fixed order, so every gradient is bitwise repeatable.
+"""
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .backend import launch_json
+from .dispatch import backend_unavailable_reason, check_backend
+from .mlp_sublayer_reference import mlp_sublayer_reference
+
+MLP_BACKEND_MODULES = {
+    "reference": "kernels.mlp_sublayer_reference",
+    "triton": "kernels.mlp_sublayer_triton",
+    "tlx": "kernels.mlp_sublayer_tlx",
+}
+MLP_BACKENDS = ("auto", *MLP_BACKEND_MODULES)
+# Fastest first on a GPU; the reference alone on a CPU (the Triton interpreter runs only when named).
+MLP_AUTO_ORDER = ("tlx", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class MlpBackend:
+    name: str
+    # Why it cannot take x [T, D] with this hidden width and compute dtype, or None if it can.
+    unsupported_reason: Callable[[torch.Tensor, int, torch.dtype], str | None]
+    # (x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch) -> y; weights already in the compute dtype.
+    run: Callable[..., torch.Tensor]
+    # The kernel backend's forward/backward custom ops (tests opcheck them); None for the reference.
+    ops: Callable[..., torch.Tensor] | None = None
+
+
+def _reference_run(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
+    return mlp_sublayer_reference(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype=w1.dtype)
+
+
+REFERENCE_BACKEND = MlpBackend("reference", lambda x, hidden, dtype: None, _reference_run)
+
+_loaded: dict[str, MlpBackend] = {}
+
+
+def get_mlp_backend(name: str) -> MlpBackend:
+    if name not in MLP_BACKEND_MODULES:
+        raise ValueError(f"unknown mlp_sublayer backend {name!r}; choose one of {', '.join(MLP_BACKENDS)}")
+    if name == "reference":
+        return REFERENCE_BACKEND
+    if name not in _loaded:
+        _loaded[name] = importlib.import_module(MLP_BACKEND_MODULES[name]).MLP_BACKEND
+    return _loaded[name]
+
+
+def check_mlp_backend(name: str, device: torch.device | str) -> None:
+    """Raises BackendUnavailableError (saying why and how to get it) if `name` can't run on `device`,
+    and imports the backend module(s) it may use, so that no import happens inside a compiled region."""
+    device = torch.device(device)
+    if name not in MLP_BACKENDS:
+        raise ValueError(f"unknown mlp_sublayer backend {name!r}; choose one of {', '.join(MLP_BACKENDS)}")
+    if name == "auto":
+        for candidate in MLP_AUTO_ORDER if device.type != "cpu" else ():
+            if candidate == "reference" or backend_unavailable_reason(candidate, device) is None:
+                get_mlp_backend(candidate)
+        return
+    if name != "reference":
+        check_backend(name, device)
+    get_mlp_backend(name)
+
+
+def _resolve(name: str, x: torch.Tensor, hidden: int, compute_dtype: torch.dtype) -> MlpBackend:
+    if name != "auto":
+        if name != "reference":
+            check_backend(name, x.device)  # same machine requirements as block attention's backend
+        backend = get_mlp_backend(name)
+        reason = backend.unsupported_reason(x, hidden, compute_dtype)
+        if reason is not None:
+            raise ValueError(f"mlp_sublayer backend {name!r} does not support {reason}")
+        return backend
+    if x.device.type == "cpu":
+        return REFERENCE_BACKEND
+    for candidate in MLP_AUTO_ORDER:
+        if candidate != "reference" and backend_unavailable_reason(candidate, x.device) is not None:
+            continue
+        backend = get_mlp_backend(candidate)
+        if backend.unsupported_reason(x, hidden, compute_dtype) is None:
+            return backend
+    return REFERENCE_BACKEND
+
+
+def _validate(x, norm_weight, norm_bias, w1, b1, w2, b2) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be (total_tokens, d_model), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    d_model, hidden = x.shape[1], w1.shape[0]
+    expected = {"norm_weight": (d_model,), "norm_bias": (d_model,), "w1": (hidden, d_model), "b1": (hidden,),
+                "w2": (d_model, hidden), "b2": (d_model,)}
+    for name, tensor in zip(expected, (norm_weight, norm_bias, w1, b1, w2, b2)):
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; x [T, {d_model}] and w1 [{hidden}, ...] "
+                             f"need {expected[name]}")
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device} and x on {x.device}; all must share a device")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+
+
+def mlp_sublayer(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    *,
+    eps: float = 1e-5,
+    backend: str = "auto",
+    launch: dict | None = None,
+) -> torch.Tensor:
+    """x + W2 · GELU(W1 · LayerNorm(x) + b1) + b2, per token (a pre-norm transformer's MLP sublayer).
+
+    x [T, D]; norm_weight, norm_bias [D] (LayerNorm's affine); w1 [H, D], b1 [H], w2 [D, H], b2 [D]
+    (nn.Linear layouts, so a model passes its parameters as they are). The matmuls run in the
+    autocast dtype when autocast is on (as nn.Linear would), else in the weights' dtype; LayerNorm
+    and GELU in fp32; the result has x's dtype. `launch` overrides a kernel backend's launch settings.
+    """
+    if backend not in MLP_BACKENDS:
+        raise ValueError(f"unknown mlp_sublayer backend {backend!r}; choose one of {', '.join(MLP_BACKENDS)}")
+    _validate(x, norm_weight, norm_bias, w1, b1, w2, b2)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = w1.dtype
+    chosen = _resolve(backend, x, w1.shape[0], compute_dtype)
+    if launch and chosen.ops is None:
+        raise ValueError(f"the {chosen.name} mlp_sublayer backend has no launch settings to override, got {launch}")
+    # Cast outside the ops, as autocast casts nn.Linear's weights: autograd casts their gradients back.
+    w1, b1, w2, b2 = (t.to(compute_dtype) for t in (w1, b1, w2, b2))
+    with torch.autocast(device_type, enabled=False):
+        return chosen.run(x, norm_weight, norm_bias, w1, b1, w2, b2, float(eps), launch_json(launch))
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel backends' ops
+# ----------------------------------------------------------------------------------------------
+
+
+def mlp_kernel_ops(name: str, forward: Callable, backward_tiles: Callable) -> Callable[..., torch.Tensor]:
+    """Registers a kernel backend's two launchers as `mlp_sublayer::<name>_forward` / `_backward`
+    custom ops with fake and autograd implementations; returns its `run`.
+
+        forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch) -> (y, hidden, mean, rstd)
+        backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
+            -> (dx, grad_hidden, activation, normed, db1_parts, dnorm_weight_parts, dnorm_bias_parts)
+
+    hidden, grad_hidden, activation: [T, H] in the compute dtype; normed: LN(x) [T, D] in it; the
+    *_parts: fp32 [tiles, H or D] partial sums, added here in one fixed order.
+    """
+
+    @torch.library.custom_op(f"mlp_sublayer::{name}_forward", mutates_args=())
+    def forward_op(
+        x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor, w1: torch.Tensor,
+        b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, eps: float, launch: str,
+    ) -> list[torch.Tensor]:
+        return list(forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch))
+
+    @forward_op.register_fake
+    def _(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
+        tokens = x.shape[0]
+        stats = x.new_empty(tokens, dtype=torch.float32)
+        return [torch.empty_like(x, memory_format=torch.contiguous_format),
+                x.new_empty(tokens, w1.shape[0], dtype=w1.dtype), stats, torch.empty_like(stats)]
+
+    @torch.library.custom_op(f"mlp_sublayer::{name}_backward", mutates_args=())
+    def backward_op(
+        grad_y: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
+        w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor, mean: torch.Tensor,
+        rstd: torch.Tensor, eps: float, launch: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts = backward_tiles(
+            grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
+        compute_dtype = w1.dtype
+        # The weight gradients are sums over every token: two GEMMs over the whole batch.
+        dw1 = grad_hidden.t() @ normed
+        dw2 = grad_y.to(compute_dtype).t() @ activation
+        db2 = grad_y.sum(0, dtype=torch.float32)
+        return (dx, dnw_parts.sum(0).to(norm_weight.dtype), dnb_parts.sum(0).to(norm_bias.dtype), dw1,
+                db1_parts.sum(0).to(compute_dtype), dw2, db2.to(compute_dtype))
+
+    @backward_op.register_fake
+    def _(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
+        return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(norm_weight),
+                torch.empty_like(norm_bias), torch.empty_like(w1), torch.empty_like(b1), torch.empty_like(w2),
+                w2.new_empty(w2.shape[0]))
+
+    def setup_context(ctx, inputs, output):
+        x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch = inputs
+        _, hidden, mean, rstd = output
+        ctx.save_for_backward(x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd)
+        ctx.eps, ctx.launch = eps, launch
+
+    def backward_formula(ctx, grads):
+        grad_y = grads[0]
+        dx, dnw, dnb, dw1, db1, dw2, db2 = backward_op(grad_y, *ctx.saved_tensors, ctx.eps, ctx.launch)
+        return dx, dnw, dnb, dw1, db1, dw2, db2, None, None
+
+    forward_op.register_autograd(backward_formula, setup_context=setup_context)
+
+    def run(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
+        return forward_op(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch)[0]
+
+    run.forward_op, run.backward_op = forward_op, backward_op
+    return run

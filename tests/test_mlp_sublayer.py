@@ -1,0 +1,176 @@
+"""The fused MLP sublayer: the Triton kernels in the CPU interpreter, judged by kernels.testing.mlp_parity
+(the project's one rule), the reference against the unfused nn modules it stands for, the dispatcher's
+errors, the custom ops' registrations, and torch.compile. bf16 runs on a GPU only
+(tests/test_gpu_parity.py): the interpreter's bf16 tl.dot is wrong.
+"""
+
+import dataclasses
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from kernels import check_mlp_backend, mlp_sublayer, mlp_sublayer_reference  # noqa: E402
+from kernels.mlp_dispatch import get_mlp_backend  # noqa: E402
+from kernels.testing import mlp_parity  # noqa: E402
+
+# x's dtype, the matmuls' dtype: plain fp32 (exact), plain fp16, and fp32 x with fp16 matmuls (autocast's split).
+DTYPES = {"fp32": (torch.float32, torch.float32), "fp16": (torch.float16, torch.float16),
+          "fp32_x_fp16_matmul": (torch.float32, torch.float16)}
+
+
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("tokens", (1, 63, 64, 200))  # one row, a partial tile, one full tile, several + partial
+@pytest.mark.parametrize("d_model,hidden", ((32, 64), (64, 256), (64, 96)))  # 96: 32-wide hidden chunks
+def test_triton_parity(d_model, hidden, tokens, dtypes):
+    x_dtype, compute_dtype = DTYPES[dtypes]
+    result = mlp_parity("triton", tokens=tokens, d_model=d_model, hidden=hidden, x_dtype=x_dtype,
+                        compute_dtype=compute_dtype)
+    assert result.ok, result.summary()
+
+
+def test_triton_parity_at_the_gpu_configs_width():
+    """d_model 256 with the 4x hidden: the width configs/gpu.yaml trains (a [64, 256] accumulator)."""
+    result = mlp_parity("triton", tokens=70, d_model=256, hidden=1024, x_dtype=torch.float32,
+                        compute_dtype=torch.float16)
+    assert result.ok, result.summary()
+
+
+def test_parity_rule_catches_a_wrong_gradient(monkeypatch):
+    """The rule is not vacuous: a kernel whose LayerNorm-weight gradient is off by 1% fails it, on that
+    gradient alone."""
+    import kernels.mlp_dispatch as dispatcher
+    import kernels.mlp_sublayer_triton as triton_mlp
+
+    def skewed(*args):
+        dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts = triton_mlp._backward_tiles(*args)
+        return dx, grad_hidden, activation, normed, db1_parts, dnw_parts * 1.01, dnb_parts
+
+    run = dispatcher.mlp_kernel_ops("triton_skewed_for_test", triton_mlp._forward, skewed)
+    monkeypatch.setitem(dispatcher._loaded, "triton", dataclasses.replace(get_mlp_backend("triton"), run=run))
+    result = mlp_parity("triton", tokens=100, d_model=32, hidden=64, x_dtype=torch.float32)
+    assert {failure.split()[0] for failure in result.failures} == {"dnorm_weight"}
+
+
+def _leaves(tokens, d_model, hidden, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=generator) * scale + shift).to(dtype)
+
+    return [draw(tokens, d_model), draw(d_model, scale=0.1, shift=1.0), draw(d_model, scale=0.1),
+            draw(hidden, d_model, scale=d_model ** -0.5), draw(hidden, scale=0.1),
+            draw(d_model, hidden, scale=hidden ** -0.5), draw(d_model, scale=0.1)]
+
+
+def _out_and_grads(fn, leaves, grad_y):
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    out = fn(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_y)]
+
+
+def test_reference_is_the_unfused_modules():
+    """The reference is exactly the model's unfused path (nn.LayerNorm, Linear, GELU, Linear, residual),
+    outputs and gradients, in fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    norm, up, down = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(32))
+        norm.bias.add_(0.1 * torch.randn(32))
+    x, grad_y = torch.randn(50, 32, requires_grad=True), torch.randn(50, 32)
+    leaves = [x, norm.weight, norm.bias, up.weight, up.bias, down.weight, down.bias]
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            unfused = x + down(nn.functional.gelu(up(norm(x))))
+            fused = mlp_sublayer(*leaves, backend="reference")
+        for a, b in zip([unfused, *torch.autograd.grad(unfused, leaves, grad_y)],
+                        [fused, *torch.autograd.grad(fused, leaves, grad_y)]):
+            assert a.dtype == b.dtype
+            assert torch.equal(a, b)
+
+
+def test_autocast_picks_the_matmul_dtype():
+    """Under autocast the kernel's matmuls run in the autocast dtype (as nn.Linear's would), and
+    the result and gradients keep the parameters' and x's fp32."""
+    leaves = _leaves(40, 32, 64, torch.float32, seed=3)
+    grad_y = torch.randn(40, 32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        fused = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton"), leaves, grad_y)
+    reference = _out_and_grads(lambda *x: mlp_sublayer_reference(*x, compute_dtype=torch.float16), leaves, grad_y)
+    plain_fp32 = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton"), leaves, grad_y)
+    for got, ref, exact in zip(fused, reference, plain_fp32):
+        assert got.dtype == torch.float32
+        # fp16 matmul error, not fp32's: the autocast dtype was used.
+        assert (got - exact).abs().max() > 1e-6
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_batch():
+    leaves = [x.requires_grad_() for x in _leaves(0, 32, 64, torch.float32)]
+    for backend in ("triton", "reference"):
+        y = mlp_sublayer(*leaves, backend=backend)
+        assert y.shape == (0, 32)
+        grads = torch.autograd.grad(y, leaves, torch.zeros_like(y))
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_bad_inputs_get_clear_errors():
+    leaves = _leaves(10, 32, 64, torch.float32)
+    x, nw, nb, w1, b1, w2, b2 = leaves
+    cases = {
+        "x must be \\(total_tokens, d_model\\)": (x[None], nw, nb, w1, b1, w2, b2),
+        "w2 has shape \\(64, 32\\)": (x, nw, nb, w1, b1, w2.t(), b2),
+        "norm_weight has shape \\(16,\\)": (x, nw[:16], nb, w1, b1, w2, b2),
+        "x must be a floating-point tensor": (x.long(), nw, nb, w1, b1, w2, b2),
+    }
+    for expected, args in cases.items():
+        with pytest.raises(ValueError, match=expected):
+            mlp_sublayer(*args)
+    with pytest.raises(ValueError, match="unknown mlp_sublayer backend 'fa2'"):
+        mlp_sublayer(*leaves, backend="fa2")
+    with pytest.raises(ValueError, match="d_model 24"):
+        mlp_sublayer(*_leaves(4, 24, 64, torch.float32), backend="triton")
+    with pytest.raises(ValueError, match="bfloat16 on CPU"):
+        mlp_sublayer(*_leaves(4, 32, 64, torch.bfloat16), backend="triton")
+    with pytest.raises(ValueError, match="unknown Triton mlp_sublayer fwd launch settings"):
+        mlp_sublayer(*leaves, backend="triton", launch={"fwd": {"warps": 2}})
+    # auto on a CPU is the reference, which has no launch settings.
+    with pytest.raises(ValueError, match="no launch settings"):
+        mlp_sublayer(*leaves, launch={"fwd": {"num_warps": 2}})
+
+
+def test_launch_overrides_change_the_tiling_not_the_result():
+    leaves = _leaves(100, 32, 64, torch.float32, seed=5)
+    grad_y = torch.randn(100, 32)
+    default = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton"), leaves, grad_y)
+    small_tiles = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton", launch={
+        "fwd": {"block_m": 16}, "bwd": {"block_m": 32}}), leaves, grad_y)
+    for a, b in zip(default, small_tiles):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schemas, fake (meta) implementations against the real kernels, and autograd registration."""
+    leaves = _leaves(70, 32, 64, torch.float32, seed=4)
+    ops = get_mlp_backend("triton").ops
+    for args in (leaves, [x.clone().requires_grad_() for x in leaves]):
+        torch.library.opcheck(ops.forward_op, (*args, 1e-5, ""))
+    y, hidden, mean, rstd = ops.forward_op(*leaves, 1e-5, "")
+    x, nw, nb, w1, b1, w2, b2 = leaves
+    torch.library.opcheck(ops.backward_op, (torch.randn_like(y), x, nw, nb, w1, b1, w2, hidden, mean, rstd, 1e-5, ""))
+
+
+def test_public_api_compiles_without_graph_breaks():
+    leaves = _leaves(70, 32, 64, torch.float32, seed=6)
+    grad_y = torch.randn(70, 32)
+    check_mlp_backend("triton", "cpu")  # imports the backend before compiling, as train.py does
+
+    def sublayer(*x):
+        return mlp_sublayer(*x, backend="triton")
+
+    compiled = torch.compile(sublayer, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    for a, b in zip(_out_and_grads(compiled, leaves, grad_y), _out_and_grads(sublayer, leaves, grad_y)):
+        assert torch.equal(a, b)
