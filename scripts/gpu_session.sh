@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke, bench, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke, bench, mlp_bench, profile_mlp, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
@@ -31,6 +31,14 @@ for s in "$@"; do
     smoke) step smoke 300 python3 train.py "${GPU_DATA[@]}" --attn=tlx --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
+    # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
+    mlp_bench) step mlp_bench 400 python3 -m benchmarks.bench_mlp_sublayer --out "$OUT/mlp_sublayer_h200" ;;
+    # The step with and without the fused MLP sublayer, back to back on one machine.
+    profile_mlp) for fused in true false; do
+        step profile_fused_mlp_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
+          --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.fused_mlp=$fused \
+          --out "$OUT/profile_step_fused_mlp_${fused}_h200"
+      done ;;
     # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx
     # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing);
     # each with the plain step and through torchrec's TrainPipelineSparseDist (sharding.pipeline).

@@ -1,4 +1,5 @@
-"""Every block-attention backend this machine can run, judged by kernels.testing.parity on the GPU.
+"""Every block-attention and MLP-sublayer backend this machine can run, judged by kernels.testing.parity
+(mlp_parity) on the GPU.
 
 Marked `gpu`: skipped without CUDA (CI has none). On the H200 (scripts/gpu_session.sh, step
 `parity`) it runs as `python3 -m pytest -m gpu -v -s tests/test_gpu_parity.py`, and its log is
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from kernels import AUTO_ORDER, Rotary, available_backends, block_attention, block_table, get_backend, rotary_tables
-from kernels.testing import EDGE_LENGTHS, parity
+from kernels.mlp_dispatch import MLP_AUTO_ORDER, get_mlp_backend
+from kernels.testing import EDGE_LENGTHS, mlp_parity, parity
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,3 +91,43 @@ def test_custom_ops_pass_opcheck_on_gpu(backend):
     cos, sin = (rotary_tables(Rotary(), offsets, 273, 64) if get_backend(backend).fuses_rotary else (None, None))
     q, k, v = (torch.randn(273, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     torch.library.opcheck(ops.forward_op, (q, k, v, *table.tensors(), cos, sin, False, ""))
+
+
+MLP_KERNEL_BACKENDS = [name for name in MLP_AUTO_ORDER if name != "reference"]
+# x in fp32 with bf16 matmuls is how configs/gpu.yaml runs the sublayer (bf16-mixed autocast).
+MLP_DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torch.float16),
+              "fp32_x_bf16_matmul": (torch.float32, torch.bfloat16)}
+
+
+def _mlp_runnable(backend: str, d_model: int, hidden: int, x_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available on this machine")
+    reason = get_mlp_backend(backend).unsupported_reason(torch.empty(1, d_model, dtype=x_dtype, device="cuda"), hidden,
+                                                         compute_dtype)
+    if reason is not None:
+        pytest.skip(f"{backend} does not take {reason}")
+
+
+@pytest.mark.parametrize("dtypes", MLP_DTYPES)
+@pytest.mark.parametrize("d_model,hidden", ((64, 256), (256, 1024)))
+@pytest.mark.parametrize("backend", MLP_KERNEL_BACKENDS)
+def test_mlp_parity(backend, d_model, hidden, dtypes):
+    """The fused MLP sublayer by the project's rule, with a partial last tile and, at 5000 tokens,
+    more tiles than a persistent grid has programs."""
+    x_dtype, compute_dtype = MLP_DTYPES[dtypes]
+    _mlp_runnable(backend, d_model, hidden, x_dtype, compute_dtype)
+    for tokens in (1, 200, 5000 + 17):
+        result = mlp_parity(backend, tokens=tokens, d_model=d_model, hidden=hidden, x_dtype=x_dtype,
+                            compute_dtype=compute_dtype, device="cuda", seed=tokens)
+        print(result.summary())
+        assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("backend", MLP_KERNEL_BACKENDS)
+def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
+    _mlp_runnable(backend, 64, 256, torch.float32, torch.bfloat16)
+    ops = get_mlp_backend(backend).ops
+    x, nw, nb = (torch.randn(*shape, device="cuda", requires_grad=True) for shape in ((300, 64), (64,), (64,)))
+    w1, b1, w2, b2 = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                      for shape in ((256, 64), (256,), (64, 256), (64,)))
+    torch.library.opcheck(ops.forward_op, (x, nw, nb, w1, b1, w2, b2, 1e-5, ""))
