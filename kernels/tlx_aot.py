@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from . import mlp_sublayer_tlx
 from .tlx_block_attention import HAS_TLX, SM90_MAX_SMEM, config_smem_bytes, tlx_config
 
 if HAS_TLX:
@@ -19,6 +20,7 @@ if HAS_TLX:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from .mlp_sublayer_tlx import _tlx_mlp_sublayer_fwd
     from .tlx_block_attention import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
 
@@ -62,7 +64,44 @@ class AotConfig:
         return f"{self.direction}_d{self.head_dim}_{rot}_{self.dtype}{suffix}"
 
 
-def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
+@dataclass(frozen=True)
+class MlpAotConfig:
+    """The fused MLP sublayer's TLX forward (kernels/mlp_sublayer_tlx.py) at one d_model."""
+
+    d_model: int
+    x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
+    dtype: str = "bf16"
+
+    @property
+    def name(self) -> str:
+        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}"
+
+
+def mlp_aot_configs() -> list[MlpAotConfig]:
+    return [MlpAotConfig(d, x_dtype, dtype) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
+            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))]
+
+
+def _mlp_source(cfg: MlpAotConfig):
+    fn = _tlx_mlp_sublayer_fwd
+    D, chunk = cfg.d_model, mlp_sublayer_tlx.BLOCK_H
+    constexprs = dict(D=D, **mlp_sublayer_tlx.tlx_mlp_config(D))
+    signature = dict(desc_w1=f"tensordesc<{cfg.dtype}[{chunk}, {D}]>", desc_w2=f"tensordesc<{cfg.dtype}[{D}, {chunk}]>",
+                     desc_hidden=f"tensordesc<{cfg.dtype}[64, {chunk}]>", x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32", norm_bias_ptr="*fp32", b1_ptr=f"*{cfg.dtype}",
+                     b2_ptr=f"*{cfg.dtype}", y_ptr=f"*{cfg.x_dtype}", mean_ptr="*fp32",
+                     rstd_ptr="*fp32", T="i32", H="i32", eps="fp32")
+    for name in constexprs:
+        signature.setdefault(name, "constexpr")
+    assert set(signature) == set(fn.arg_names), (
+        f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
+    signature = {name: signature[name] for name in fn.arg_names}
+    # Pointers from torch's allocator are 16-byte aligned; H is a multiple of 64.
+    divisible = [n for n in signature if n.endswith("_ptr")] + ["H"]
+    attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def aot_configs(dtypes=("bf16", "fp16")) -> list:
     """Every production configuration, plus each tuning variant's kernels (bf16, the sweep's
     dtype, with and without rotary) that differ from a kernel already in the list."""
     configs = []
@@ -81,7 +120,7 @@ def aot_configs(dtypes=("bf16", "fp16")) -> list[AotConfig]:
                     if key not in seen and variant != "default":
                         configs.append(cfg)
                     seen.add(key)
-    return configs
+    return configs + mlp_aot_configs()
 
 
 def _source(cfg: AotConfig):
@@ -126,11 +165,16 @@ def compile_config(cfg: AotConfig):
         raise RuntimeError("TLX is not installed (needs fbtriton==3.7.4)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile TLX kernels")
-    return triton.compile(_source(cfg), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    source = _mlp_source(cfg) if isinstance(cfg, MlpAotConfig) else _source(cfg)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
 
 
 def tuning_of(cfg: AotConfig) -> dict:
     """The constexpr knobs a launch of this configuration uses, and their SMEM estimate."""
+    if isinstance(cfg, MlpAotConfig):
+        tuning = mlp_sublayer_tlx.tlx_mlp_config(cfg.d_model)
+        return dict(tuning, smem_estimate=mlp_sublayer_tlx.smem_bytes(cfg.d_model, tuning["NUM_STAGES"],
+                                                                      tuning["NUM_CONSUMERS"]))
     tuning = tlx_config(cfg.head_dim, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)
     return dict(tuning, smem_estimate=config_smem_bytes(cfg.head_dim, cfg.rotary, cfg.direction == "bwd", tuning))
 

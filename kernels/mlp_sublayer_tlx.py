@@ -1,0 +1,261 @@
+"""TLX (Meta's Triton fork) warp-specialized fused MLP sublayer forward for Hopper (sm_90); see mlp_dispatch.py.
+
+Invariants the kernel relies on:
+- x [T, D] (fp32 under autocast, or the compute dtype) with contiguous rows; D = d_model is 64, 128
+  or 256 (one wgmma N tile of the output, one TMA box of W1's rows); the hidden width H is a
+  multiple of BLOCK_H = 64; the weights W1 [H, D], W2 [D, H] are contiguous in the compute dtype
+  (bf16/fp16), so a hidden chunk is the TMA boxes [64, D] of W1 at (h0, 0) and [D, 64] of W2 at (0, h0).
+- A persistent grid of programs walks rounds; in a round, each of the NUM_CONSUMERS consumer
+  warpgroups takes its own 64-token tile (tile = round_index * NUM_CONSUMERS + consumer), and the
+  producer warpgroup streams every hidden chunk's W1 and W2 boxes once through a NUM_STAGES ring
+  that both consumers read: the weights cross L2 once per 64 * NUM_CONSUMERS tokens, not per 64.
+  A ring slot's empty barrier waits for every consumer (arrive count NUM_CONSUMERS); a consumer
+  whose tile lies past T still walks the chunks (all its rows masked), so the phases stay paired.
+- The consumer normalizes its tile in registers (fp32), stores LN(x) in the compute dtype to its own
+  SMEM tile (wgmma's A of the first product), and keeps the [64, D] fp32 output accumulator in
+  registers across the chunks; GELU's input, the pre-activation, is rounded to the compute dtype
+  (and saved for the backward) as the Triton kernel does, so both backends compute the same thing.
+- Rows >= T are loaded as zeros and never stored.
+The backward is the Triton token-tile kernel (kernels/mlp_sublayer_triton.py) and two cuBLAS GEMMs:
+a warp-specialized TLX backward is not written yet.
+"""
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    import triton.language.extra.tlx as tlx
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # One GELU for both backends; the backward's token-tile kernel is the Triton one.
+    from .mlp_sublayer_triton import _backward_tiles, _gelu
+
+    HAS_TLX = True
+except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
+    HAS_TLX = False
+    _backward_tiles = None
+
+from .backend import launch_overrides
+from .mlp_dispatch import MlpBackend, mlp_kernel_ops
+from .tlx_block_attention import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
+
+SUPPORTED_D_MODELS = (64, 128, 256)
+SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
+BLOCK_H = 64
+MAX_STAGES = 4
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
+# Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
+# fbtriton 3.7's sm_90 builds allocate it (tests/test_tlx_aot.py holds this model to them).
+_SCRATCH_PER_CONSUMER = {64: 384, 128: 384, 256: 624}
+
+
+def smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, elem_size: int = 2) -> int:
+    """The ring (a W1 and a W2 box per slot); per consumer its LN(x) tile, its pre-activation
+    staging tile for the TMA store, and compiler scratch."""
+    slot = 2 * BLOCK_H * d_model * elem_size
+    per_consumer = (BLOCK_M * d_model + BLOCK_M * BLOCK_H) * elem_size + _SCRATCH_PER_CONSUMER[d_model]
+    return NUM_STAGES * slot + NUM_CONSUMERS * per_consumer
+
+
+@functools.lru_cache(maxsize=None)
+def tlx_mlp_config(d_model: int, knob_items: tuple = ()) -> dict:
+    """Constexpr knobs: two consumers (one's GELU and stores run while the other's wgmma does), and
+    the deepest ring up to MAX_STAGES that fits in 227 KiB; `knob_items` (FWD_KNOBS) override them."""
+    knobs = dict(knob_items)
+    unknown = set(knobs) - set(FWD_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown TLX mlp_sublayer fwd tuning knobs {sorted(unknown)}; choose from {FWD_KNOBS}")
+    consumers = knobs.get("NUM_CONSUMERS", 2)
+    stages = knobs.get("NUM_STAGES")
+    if stages is None:
+        stages = 0
+        while stages < MAX_STAGES and smem_bytes(d_model, stages + 1, consumers) + SMEM_SLACK <= SM90_MAX_SMEM:
+            stages += 1
+    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
+    need = smem_bytes(d_model, stages, consumers)
+    if consumers not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
+        raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
+                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
+    cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
+    return cfg
+
+
+if HAS_TLX:
+
+    @triton.jit
+    def _num_rounds(T, NUM_CONSUMERS: tl.constexpr):
+        # Every partition computes the same count, so producer and consumers agree on the chunks.
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        num_tiles = tl.cdiv(T, 64)
+        num_groups = tl.cdiv(num_tiles, NUM_CONSUMERS)
+        return pid, nprog, tl.maximum(tl.cdiv(num_groups - pid, nprog), 0)
+
+    @triton.jit
+    def _load_x_slice(x_ptr, rows64, row_ok, c, D: tl.constexpr, CHUNK: tl.constexpr):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        return tl.load(x_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _tlx_mlp_sublayer_fwd(
+        desc_w1, desc_w2, desc_hidden, x_ptr, norm_weight_ptr, norm_bias_ptr, b1_ptr, b2_ptr,
+        y_ptr, mean_ptr, rstd_ptr,
+        T, H, eps,
+        D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+    ):
+        BLOCK: tl.constexpr = 64
+        CHUNK: tl.constexpr = 64
+        dtype: tl.constexpr = tlx.dtype_of(desc_w1)
+        SLOT_BYTES: tl.constexpr = 2 * CHUNK * D * tlx.size_of(dtype)
+
+        w1_bufs = tlx.local_alloc((CHUNK, D), dtype, NUM_STAGES)
+        w2_bufs = tlx.local_alloc((D, CHUNK), dtype, NUM_STAGES)
+        normed_bufs = tlx.local_alloc((BLOCK, D), dtype, NUM_CONSUMERS)
+        # Each consumer's pre-activation chunk on its way out by TMA: a masked tl.store's [64, 64]
+        # int64 addresses would not fit beside the [64, D] accumulator.
+        hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
+        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
+
+        with tlx.async_tasks():
+            with tlx.async_task("default"):
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
+                num_chunks = H // CHUNK
+                for k in range(0, n_rounds * num_chunks):
+                    h0 = (k % num_chunks) * CHUNK
+                    slot = k % NUM_STAGES
+                    phase = (k // NUM_STAGES) & 1
+                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
+                    tlx.barrier_wait(empties[slot], phase ^ 1)
+                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
+                    tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
+                    tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
+
+            with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
+                cid: tl.constexpr = tlx.async_task_replica_id()
+                cols = tl.arange(0, D)
+                hcols = tl.arange(0, CHUNK)
+                normed_buf = normed_bufs[cid]
+                hidden_buf = hidden_bufs[cid]
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
+                num_chunks = H // CHUNK
+                for r in range(0, n_rounds):
+                    row0 = ((pid + r * nprog) * NUM_CONSUMERS + cid) * BLOCK
+                    rows = row0 + tl.arange(0, BLOCK)
+                    row_ok = rows < T
+                    rows64 = rows.to(tl.int64)
+                    # LayerNorm in 64-column slices of x (two-pass statistics, then the normalized
+                    # slices into the LN(x) tile): a whole fp32 [64, 256] tile beside its pointers
+                    # would not fit a consumer's registers. The slices after the first come from L2.
+                    row_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+                    for c in tl.static_range(D // CHUNK):
+                        row_sum += tl.sum(_load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK), 1)
+                    mean = row_sum / D
+                    row_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+                    for c in tl.static_range(D // CHUNK):
+                        centered = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) - mean[:, None]
+                        row_sq += tl.sum(centered * centered, 1)
+                    rstd = 1.0 / tl.sqrt(row_sq / D + eps)
+                    for c in tl.static_range(D // CHUNK):
+                        centered = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) - mean[:, None]
+                        weight = tl.load(norm_weight_ptr + c * CHUNK + hcols).to(tl.float32)
+                        bias = tl.load(norm_bias_ptr + c * CHUNK + hcols).to(tl.float32)
+                        normed = centered * rstd[:, None] * weight[None, :] + bias[None, :]
+                        # The previous tile's wgmmas have finished reading this tile (each was waited).
+                        tlx.local_store(tlx.local_slice(normed_buf, [0, c * CHUNK], [BLOCK, CHUNK]), normed.to(dtype))
+                    tlx.fence_async_shared()
+                    tl.store(mean_ptr + rows, mean, mask=row_ok)
+                    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+                    acc = tl.zeros((BLOCK, D), dtype=tl.float32)
+                    for c in range(0, num_chunks):
+                        k = r * num_chunks + c
+                        slot = k % NUM_STAGES
+                        phase = (k // NUM_STAGES) & 1
+                        tlx.barrier_wait(fulls[slot], phase)
+                        hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[slot]))
+                        b1 = tl.load(b1_ptr + c * CHUNK + hcols).to(tl.float32)
+                        hidden = tlx.async_dot_wait(0, hidden)
+                        hidden = (hidden + b1[None, :]).to(dtype)
+                        activation = _gelu(hidden.to(tl.float32)).to(dtype)
+                        acc = tlx.async_dot(activation, tlx.local_trans(w2_bufs[slot]), acc)
+                        # The pre-activation's store overlaps the wgmma. TMA writes no row past T, and
+                        # the previous chunk's store has had a whole chunk's time to read the tile.
+                        tlx.async_descriptor_store_wait(0)
+                        tlx.local_store(hidden_buf, hidden)
+                        tlx.fence_async_shared()
+                        tlx.async_descriptor_store(desc_hidden, hidden_buf, [row0, c * CHUNK])
+                        acc = tlx.async_dot_wait(0, acc)
+                        tlx.barrier_arrive(empties[slot], 1)
+
+                    # The second linear's output, rounded to the compute dtype before the residual as
+                    # nn.Linear's is, goes through the LN(x) tile (no wgmma reads it any more) so the
+                    # residual is added in 64-column slices, like the LayerNorm above.
+                    out = (acc + tl.load(b2_ptr + cols).to(tl.float32)[None, :]).to(dtype)
+                    tlx.local_store(normed_buf, out)
+                    for c in tl.static_range(D // CHUNK):
+                        out_slice = tlx.local_load(tlx.local_slice(normed_buf, [0, c * CHUNK], [BLOCK, CHUNK]))
+                        y = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) + out_slice.to(tl.float32)
+                        offs = rows64[:, None] * D + (c * CHUNK + hcols)[None, :]
+                        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+                # SMEM must outlive the last store's read of it.
+                tlx.async_descriptor_store_wait(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
+    tokens, d_model = x.shape
+    hidden_width = w1.shape[0]
+    x = x.contiguous()
+    w1, b1, w2, b2, norm_weight, norm_bias = (t.contiguous() for t in (w1, b1, w2, b2, norm_weight, norm_bias))
+    y = torch.empty((tokens, d_model), dtype=x.dtype, device=x.device)
+    # At least one tile of rows: a TMA box may not exceed the tensor it tiles (the extra rows are
+    # never written, and the view below drops them).
+    hidden_rows = torch.empty((max(tokens, BLOCK_M), hidden_width), dtype=w1.dtype, device=x.device)
+    hidden = hidden_rows[:tokens]
+    mean = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    if tokens == 0:
+        return y, hidden, mean, rstd
+    overrides = launch_overrides(launch, "fwd")
+    cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())))
+    groups = triton.cdiv(triton.cdiv(tokens, BLOCK_M), cfg["NUM_CONSUMERS"])
+    with torch.cuda.device(x.device):
+        desc_w1 = TensorDescriptor(w1, shape=list(w1.shape), strides=[w1.stride(0), 1], block_shape=[BLOCK_H, d_model])
+        desc_w2 = TensorDescriptor(w2, shape=list(w2.shape), strides=[w2.stride(0), 1], block_shape=[d_model, BLOCK_H])
+        desc_hidden = TensorDescriptor(hidden_rows, shape=[tokens, hidden_width], strides=[hidden_width, 1],
+                                       block_shape=[BLOCK_M, BLOCK_H])
+        _tlx_mlp_sublayer_fwd[(max(1, min(_num_sms(x.device), groups)),)](
+            desc_w1, desc_w2, desc_hidden, x, norm_weight, norm_bias, b1, b2, y, mean, rstd, tokens, hidden_width, eps,
+            D=d_model, num_warps=4, num_stages=1, **cfg,
+        )
+    return y, hidden, mean, rstd
+
+
+_run_ops = mlp_kernel_ops("tlx", _forward, _backward_tiles)
+
+
+def tlx_mlp_unsupported_reason(x: torch.Tensor, hidden: int, compute_dtype: torch.dtype) -> str | None:
+    d_model = x.shape[1]
+    if d_model not in SUPPORTED_D_MODELS:
+        return f"d_model {d_model} (the TLX kernel takes {SUPPORTED_D_MODELS})"
+    if hidden % BLOCK_H:
+        return f"hidden width {hidden} (the TLX kernel takes a multiple of {BLOCK_H})"
+    if compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
+        return f"compute dtype {compute_dtype} (the TLX kernel's matmuls take float16 or bfloat16)"
+    if x.dtype not in SUPPORTED_X_DTYPES:
+        return f"x dtype {x.dtype}"
+    return None
+
+
+MLP_BACKEND = MlpBackend("tlx", tlx_mlp_unsupported_reason, _run_ops, ops=_run_ops)
