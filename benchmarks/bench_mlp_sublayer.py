@@ -50,7 +50,7 @@ def make_inputs(tokens: int, d_model: int, hidden: int, device: torch.device, se
             draw(d_model, hidden, scale=hidden ** -0.5), draw(d_model, scale=0.1)]
 
 
-def build_impl(name: str, device: torch.device) -> Callable:
+def build_impl(name: str, device: torch.device, launch: dict | None = None) -> Callable:
     """The sublayer as `name` runs it; raises with the reason where it can't run here."""
     if name == "unfused_eager":
         return lambda *t: mlp_sublayer_reference(*t, compute_dtype=torch.get_autocast_dtype(device.type)
@@ -61,7 +61,7 @@ def build_impl(name: str, device: torch.device) -> Callable:
         return torch.compile(build_impl("unfused_eager", device), dynamic=False)
     if name not in available_backends(device):
         raise RuntimeError(f"backend {name} is not available on {device}")
-    return lambda *t: mlp_sublayer(*t, backend=name)
+    return lambda *t: mlp_sublayer(*t, backend=name, launch=launch)
 
 
 def run_pass(fn: Callable, leaves: list[torch.Tensor], grad_y: torch.Tensor, pass_: str, dtype: torch.dtype) -> Callable:
@@ -97,9 +97,10 @@ def bench(args: argparse.Namespace) -> dict:
     reference_y = run_pass(build_impl("unfused_eager", device), leaves, grad_y, "fwd", dtype)().detach()
     rows = []
     for name in args.impls:
-        row = dict(impl=name)
+        launch = args.launch.get(name)
+        row = dict(impl=name, launch=launch)
         try:
-            fn = build_impl(name, device)
+            fn = build_impl(name, device, launch)
             y = run_pass(fn, leaves, grad_y, "fwd", dtype)().detach()
             rel_err = ((y.float() - reference_y.float()).norm() / reference_y.float().norm()).item()
             row["check_rel_err"] = rel_err
@@ -155,8 +156,9 @@ def render_markdown(report: dict) -> str:
         return format(row[key], spec) if key in row else ""
 
     for row in report["rows"]:
+        label = row["impl"] + (f" `{json.dumps(row['launch'])}`" if row.get("launch") else "")
         lines.append(
-            f"| {row['impl']} | {cell(row, 'fwd_ms', '.3f')} | {cell(row, 'fwd_graph_ms', '.3f')} | "
+            f"| {label} | {cell(row, 'fwd_ms', '.3f')} | {cell(row, 'fwd_graph_ms', '.3f')} | "
             f"{cell(row, 'fwd+bwd_ms', '.3f')} | {cell(row, 'fwd+bwd_graph_ms', '.3f')} | "
             f"{cell(row, 'fwd+bwd_tflops', '.0f')} | {cell(row, 'fwd+bwd_fraction_of_gemm_ceiling', '.0%')} | "
             f"{cell(row, 'fwd+bwd_speedup_vs_unfused_compiled', '.2f')} | {row.get('error', '')[:160]} |")
@@ -172,6 +174,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--launch", type=json.loads, default={},
+                        help='launch overrides per kernel impl, e.g. \'{"triton": {"fwd": {"block_m": 128}}}\'')
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     return parser.parse_args(argv)
