@@ -71,22 +71,28 @@ class MlpAotConfig:
     d_model: int
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
+    ctas: int = 1  # 2: CTA pairs that multicast the weight loads
 
     @property
     def name(self) -> str:
-        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}"
+        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}" + ("@2cta" if self.ctas == 2 else "")
+
+    @property
+    def knobs(self) -> dict:
+        return mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("NUM_CTAS", self.ctas),))
 
 
 def mlp_aot_configs() -> list[MlpAotConfig]:
-    return [MlpAotConfig(d, x_dtype, dtype) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
-            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))]
+    return [MlpAotConfig(d, x_dtype, dtype, ctas) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
+            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16")) for ctas in (1, 2)]
 
 
 def _mlp_source(cfg: MlpAotConfig):
     fn = _tlx_mlp_sublayer_fwd
-    D, chunk = cfg.d_model, mlp_sublayer_tlx.BLOCK_H
-    constexprs = dict(D=D, **mlp_sublayer_tlx.tlx_mlp_config(D))
-    signature = dict(desc_w1=f"tensordesc<{cfg.dtype}[{chunk}, {D}]>", desc_w2=f"tensordesc<{cfg.dtype}[{D}, {chunk}]>",
+    D, chunk, ctas = cfg.d_model, mlp_sublayer_tlx.BLOCK_H, cfg.ctas
+    constexprs = dict(D=D, **cfg.knobs)
+    signature = dict(desc_w1=f"tensordesc<{cfg.dtype}[{chunk // ctas}, {D}]>",
+                     desc_w2=f"tensordesc<{cfg.dtype}[{D // ctas}, {chunk}]>",
                      desc_hidden=f"tensordesc<{cfg.dtype}[64, {chunk}]>", x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32", norm_bias_ptr="*fp32", b1_ptr=f"*{cfg.dtype}",
                      b2_ptr=f"*{cfg.dtype}", y_ptr=f"*{cfg.x_dtype}", mean_ptr="*fp32",
                      rstd_ptr="*fp32", T="i32", H="i32", eps="fp32")
@@ -165,14 +171,17 @@ def compile_config(cfg: AotConfig):
         raise RuntimeError("TLX is not installed (needs fbtriton==3.7.4)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile TLX kernels")
-    source = _mlp_source(cfg) if isinstance(cfg, MlpAotConfig) else _source(cfg)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    options = dict(num_warps=4, num_stages=1)
+    if isinstance(cfg, MlpAotConfig):
+        return triton.compile(_mlp_source(cfg), target=GPUTarget("cuda", 90, 32),
+                              options=dict(options, ctas_per_cga=(cfg.ctas, 1, 1)))
+    return triton.compile(_source(cfg), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def tuning_of(cfg: AotConfig) -> dict:
     """The constexpr knobs a launch of this configuration uses, and their SMEM estimate."""
     if isinstance(cfg, MlpAotConfig):
-        tuning = mlp_sublayer_tlx.tlx_mlp_config(cfg.d_model)
+        tuning = cfg.knobs
         return dict(tuning, smem_estimate=mlp_sublayer_tlx.smem_bytes(cfg.d_model, tuning["NUM_STAGES"],
                                                                       tuning["NUM_CONSUMERS"]))
     tuning = tlx_config(cfg.head_dim, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)

@@ -131,3 +131,19 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
     w1, b1, w2, b2 = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                       for shape in ((256, 64), (256,), (64, 256), (64,)))
     torch.library.opcheck(ops.forward_op, (x, nw, nb, w1, b1, w2, b2, 1e-5, ""))
+
+
+# The TLX forward's tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS).
+TLX_MLP_VARIANTS = {"cta_pairs": {"NUM_CTAS": 2}, "one_consumer": {"NUM_CONSUMERS": 1},
+                    "cta_pairs_one_consumer": {"NUM_CTAS": 2, "NUM_CONSUMERS": 1}}
+
+
+@pytest.mark.parametrize("variant", TLX_MLP_VARIANTS)
+def test_mlp_parity_tlx_variants(variant):
+    _mlp_runnable("tlx", 256, 1024, torch.float32, torch.bfloat16)
+    for tokens in (1, 200, 5000 + 17):
+        result = mlp_parity("tlx", tokens=tokens, d_model=256, hidden=1024, x_dtype=torch.float32,
+                            compute_dtype=torch.bfloat16, device="cuda", seed=tokens,
+                            launch={"fwd": TLX_MLP_VARIANTS[variant]})
+        print(result.summary())
+        assert result.ok, result.summary()
