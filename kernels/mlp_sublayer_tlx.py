@@ -34,6 +34,9 @@ try:
     # One GELU for both backends; the backward's token-tile kernel is the Triton one.
     from .mlp_sublayer_triton import _backward_tiles, _gelu
 
+    # fbtriton has the fence that makes mbarrier inits visible to the cluster; triton-utlx does not
+    # (there the cluster barrier's release/acquire orders them).
+    _FENCE_MBARRIER_INIT = tl.constexpr(hasattr(tlx, "fence_mbarrier_init_cluster"))
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
     HAS_TLX = False
@@ -130,7 +133,8 @@ if HAS_TLX:
             # into both: one arrive from each side.
             peers_free = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=2)
             # The peer's barriers must be initialized before this CTA arrives on them or multicasts.
-            tlx.fence_mbarrier_init_cluster()
+            if _FENCE_MBARRIER_INIT:
+                tlx.fence_mbarrier_init_cluster()
             tlx.cluster_barrier()
 
         with tlx.async_tasks():
