@@ -34,12 +34,13 @@ try:
     # One GELU for both backends; the backward's token-tile kernel is the Triton one.
     from .mlp_sublayer_triton import _backward_tiles, _gelu
 
-    # fbtriton has the fence that makes mbarrier inits visible to the cluster; triton-utlx does not
-    # (there the cluster barrier's release/acquire orders them).
-    _FENCE_MBARRIER_INIT = tl.constexpr(hasattr(tlx, "fence_mbarrier_init_cluster"))
+    # CTA pairs (NUM_CTAS = 2) arrive on the peer's barriers, which fbtriton's TLX can address and
+    # triton-utlx's cannot (no mapa.shared::cluster upstream); fbtriton also has the fence that makes
+    # barrier inits visible to the cluster.
+    CTA_PAIRS_SUPPORTED = hasattr(tlx, "fence_mbarrier_init_cluster")
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
-    HAS_TLX = False
+    HAS_TLX = CTA_PAIRS_SUPPORTED = False
     _backward_tiles = None
 
 from .backend import launch_overrides
@@ -86,6 +87,9 @@ def tlx_mlp_config(d_model: int, knob_items: tuple = ()) -> dict:
     if consumers not in (1, 2) or cfg["NUM_CTAS"] not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
         raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
                          f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers, 1-2 CTAs and >= 1 stage")
+    if cfg["NUM_CTAS"] == 2 and HAS_TLX and not CTA_PAIRS_SUPPORTED:
+        raise ValueError("NUM_CTAS=2 needs a TLX that can address a peer CTA's barriers (fbtriton); "
+                         "this one (triton-utlx) cannot")
     cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
     return cfg
 
@@ -133,8 +137,7 @@ if HAS_TLX:
             # into both: one arrive from each side.
             peers_free = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=2)
             # The peer's barriers must be initialized before this CTA arrives on them or multicasts.
-            if _FENCE_MBARRIER_INIT:
-                tlx.fence_mbarrier_init_cluster()
+            tlx.fence_mbarrier_init_cluster()
             tlx.cluster_barrier()
 
         with tlx.async_tasks():
