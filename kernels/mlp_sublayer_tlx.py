@@ -34,13 +34,9 @@ try:
     # One GELU for both backends; the backward's token-tile kernel is the Triton one.
     from .mlp_sublayer_triton import _backward_tiles, _gelu
 
-    # CTA pairs (NUM_CTAS = 2) arrive on the peer's barriers, which fbtriton's TLX can address and
-    # triton-utlx's cannot (no mapa.shared::cluster upstream); fbtriton also has the fence that makes
-    # barrier inits visible to the cluster.
-    CTA_PAIRS_SUPPORTED = hasattr(tlx, "fence_mbarrier_init_cluster")
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
-    HAS_TLX = CTA_PAIRS_SUPPORTED = False
+    HAS_TLX = False
     _backward_tiles = None
 
 from .backend import launch_overrides
@@ -53,7 +49,7 @@ SUPPORTED_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "NUM_CTAS")
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
 # fbtriton 3.7's sm_90 builds allocate it (tests/test_tlx_aot.py holds this model to them).
 _SCRATCH_PER_CONSUMER = {64: 384, 128: 384, 256: 624}
@@ -81,15 +77,11 @@ def tlx_mlp_config(d_model: int, knob_items: tuple = ()) -> dict:
         stages = 0
         while stages < MAX_STAGES and smem_bytes(d_model, stages + 1, consumers) + SMEM_SLACK <= SM90_MAX_SMEM:
             stages += 1
-    # NUM_CTAS = 2: clusters of two CTAs that share (multicast) the weight loads.
-    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers, NUM_CTAS=knobs.get("NUM_CTAS", 1))
+    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
     need = smem_bytes(d_model, stages, consumers)
-    if consumers not in (1, 2) or cfg["NUM_CTAS"] not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
+    if consumers not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
         raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
-                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers, 1-2 CTAs and >= 1 stage")
-    if cfg["NUM_CTAS"] == 2 and HAS_TLX and not CTA_PAIRS_SUPPORTED:
-        raise ValueError("NUM_CTAS=2 needs a TLX that can address a peer CTA's barriers (fbtriton); "
-                         "this one (triton-utlx) cannot")
+                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
     cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
     return cfg
 
@@ -97,14 +89,13 @@ def tlx_mlp_config(d_model: int, knob_items: tuple = ()) -> dict:
 if HAS_TLX:
 
     @triton.jit
-    def _num_rounds(T, NUM_CONSUMERS: tl.constexpr, NUM_CTAS: tl.constexpr):
-        """(cluster, number of clusters, rounds): a round of a cluster takes NUM_CTAS * NUM_CONSUMERS
-        tiles. Every partition of both CTAs of a cluster computes the same count, so producers and
-        consumers agree on the chunks, and the two CTAs on the loads they share."""
-        cluster = tl.program_id(0) // NUM_CTAS
-        num_clusters = tl.num_programs(0) // NUM_CTAS
-        num_groups = tl.cdiv(tl.cdiv(T, 64), NUM_CTAS * NUM_CONSUMERS)
-        return cluster, num_clusters, tl.maximum(tl.cdiv(num_groups - cluster, num_clusters), 0)
+    def _num_rounds(T, NUM_CONSUMERS: tl.constexpr):
+        """(program, programs, rounds): a round takes NUM_CONSUMERS tiles. Every partition computes
+        the same count, so producer and consumers agree on the chunks."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        num_groups = tl.cdiv(tl.cdiv(T, 64), NUM_CONSUMERS)
+        return pid, nprog, tl.maximum(tl.cdiv(num_groups - pid, nprog), 0)
 
     @triton.jit
     def _load_x_slice(x_ptr, rows64, row_ok, c, D: tl.constexpr, CHUNK: tl.constexpr):
@@ -117,7 +108,6 @@ if HAS_TLX:
         y_ptr, mean_ptr, rstd_ptr,
         T, H, eps,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        NUM_CTAS: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
@@ -132,17 +122,10 @@ if HAS_TLX:
         hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
         fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
         empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
-        if NUM_CTAS == 2:
-            # Both CTAs' producers must have seen their consumers free a slot before either writes
-            # into both: one arrive from each side.
-            peers_free = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=2)
-            # The peer's barriers must be initialized before this CTA arrives on them or multicasts.
-            tlx.fence_mbarrier_init_cluster()
-            tlx.cluster_barrier()
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                cluster, num_clusters, n_rounds = _num_rounds(T, NUM_CONSUMERS, NUM_CTAS)
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
                 num_chunks = H // CHUNK
                 for k in range(0, n_rounds * num_chunks):
                     h0 = (k % num_chunks) * CHUNK
@@ -150,29 +133,9 @@ if HAS_TLX:
                     phase = (k // NUM_STAGES) & 1
                     # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
                     tlx.barrier_wait(empties[slot], phase ^ 1)
-                    # The whole slot arrives: this CTA's halves and the peer's multicast ones.
                     tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-                    if NUM_CTAS == 2:
-                        # Each CTA of the pair loads half of each box and multicasts it to both, so
-                        # the weights cross L2 once per 2 * 64 * NUM_CONSUMERS tokens.
-                        rank = tlx.cluster_cta_rank()
-                        tlx.barrier_arrive(peers_free[slot], 1)
-                        tlx.barrier_arrive(peers_free[slot], 1, remote_cta_rank=rank ^ 1)
-                        tlx.barrier_wait(peers_free[slot], phase)
-                        # (SMEM slices take constant offsets: one branch per half.)
-                        if rank == 0:
-                            w1_half = tlx.local_slice(w1_bufs[slot], [0, 0], [CHUNK // 2, D])
-                            w2_half = tlx.local_slice(w2_bufs[slot], [0, 0], [D // 2, CHUNK])
-                        else:
-                            w1_half = tlx.local_slice(w1_bufs[slot], [CHUNK // 2, 0], [CHUNK // 2, D])
-                            w2_half = tlx.local_slice(w2_bufs[slot], [D // 2, 0], [D // 2, CHUNK])
-                        tlx.async_descriptor_load(desc_w1, w1_half, [h0 + rank * (CHUNK // 2), 0], fulls[slot],
-                                                  multicast_targets=[rank, rank ^ 1])
-                        tlx.async_descriptor_load(desc_w2, w2_half, [rank * (D // 2), h0], fulls[slot],
-                                                  multicast_targets=[rank, rank ^ 1])
-                    else:
-                        tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
-                        tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
+                    tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
+                    tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -180,11 +143,10 @@ if HAS_TLX:
                 hcols = tl.arange(0, CHUNK)
                 normed_buf = normed_bufs[cid]
                 hidden_buf = hidden_bufs[cid]
-                cluster, num_clusters, n_rounds = _num_rounds(T, NUM_CONSUMERS, NUM_CTAS)
-                cta = tl.program_id(0) % NUM_CTAS
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
                 num_chunks = H // CHUNK
                 for r in range(0, n_rounds):
-                    row0 = (((cluster + r * num_clusters) * NUM_CTAS + cta) * NUM_CONSUMERS + cid) * BLOCK
+                    row0 = ((pid + r * nprog) * NUM_CONSUMERS + cid) * BLOCK
                     rows = row0 + tl.arange(0, BLOCK)
                     row_ok = rows < T
                     rows64 = rows.to(tl.int64)
@@ -267,20 +229,16 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
         return y, hidden, mean, rstd
     overrides = launch_overrides(launch, "fwd")
     cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())))
-    ctas = cfg["NUM_CTAS"]
-    groups = triton.cdiv(triton.cdiv(tokens, BLOCK_M), cfg["NUM_CONSUMERS"] * ctas)
-    grid = ctas * max(1, min(_num_sms(x.device) // ctas, groups))
+    groups = triton.cdiv(triton.cdiv(tokens, BLOCK_M), cfg["NUM_CONSUMERS"])
+    grid = max(1, min(_num_sms(x.device), groups))
     with torch.cuda.device(x.device):
-        # With a CTA pair, each CTA loads (and multicasts) half of each weight box.
-        desc_w1 = TensorDescriptor(w1, shape=list(w1.shape), strides=[w1.stride(0), 1],
-                                   block_shape=[BLOCK_H // ctas, d_model])
-        desc_w2 = TensorDescriptor(w2, shape=list(w2.shape), strides=[w2.stride(0), 1],
-                                   block_shape=[d_model // ctas, BLOCK_H])
+        desc_w1 = TensorDescriptor(w1, shape=list(w1.shape), strides=[w1.stride(0), 1], block_shape=[BLOCK_H, d_model])
+        desc_w2 = TensorDescriptor(w2, shape=list(w2.shape), strides=[w2.stride(0), 1], block_shape=[d_model, BLOCK_H])
         desc_hidden = TensorDescriptor(hidden_rows, shape=[tokens, hidden_width], strides=[hidden_width, 1],
                                        block_shape=[BLOCK_M, BLOCK_H])
         _tlx_mlp_sublayer_fwd[(grid,)](
             desc_w1, desc_w2, desc_hidden, x, norm_weight, norm_bias, b1, b2, y, mean, rstd, tokens, hidden_width, eps,
-            D=d_model, num_warps=4, num_stages=1, ctas_per_cga=(ctas, 1, 1), **cfg,
+            D=d_model, num_warps=4, num_stages=1, **cfg,
         )
     return y, hidden, mean, rstd
 

@@ -71,28 +71,26 @@ class MlpAotConfig:
     d_model: int
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
-    ctas: int = 1  # 2: CTA pairs that multicast the weight loads
 
     @property
     def name(self) -> str:
-        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}" + ("@2cta" if self.ctas == 2 else "")
+        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}"
 
     @property
     def knobs(self) -> dict:
-        return mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("NUM_CTAS", self.ctas),))
+        return mlp_sublayer_tlx.tlx_mlp_config(self.d_model)
 
 
 def mlp_aot_configs() -> list[MlpAotConfig]:
-    return [MlpAotConfig(d, x_dtype, dtype, ctas) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
-            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16")) for ctas in (1, 2)]
+    return [MlpAotConfig(d, x_dtype, dtype) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
+            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))]
 
 
 def _mlp_source(cfg: MlpAotConfig):
     fn = _tlx_mlp_sublayer_fwd
-    D, chunk, ctas = cfg.d_model, mlp_sublayer_tlx.BLOCK_H, cfg.ctas
+    D, chunk = cfg.d_model, mlp_sublayer_tlx.BLOCK_H
     constexprs = dict(D=D, **cfg.knobs)
-    signature = dict(desc_w1=f"tensordesc<{cfg.dtype}[{chunk // ctas}, {D}]>",
-                     desc_w2=f"tensordesc<{cfg.dtype}[{D // ctas}, {chunk}]>",
+    signature = dict(desc_w1=f"tensordesc<{cfg.dtype}[{chunk}, {D}]>", desc_w2=f"tensordesc<{cfg.dtype}[{D}, {chunk}]>",
                      desc_hidden=f"tensordesc<{cfg.dtype}[64, {chunk}]>", x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32", norm_bias_ptr="*fp32", b1_ptr=f"*{cfg.dtype}",
                      b2_ptr=f"*{cfg.dtype}", y_ptr=f"*{cfg.x_dtype}", mean_ptr="*fp32",
                      rstd_ptr="*fp32", T="i32", H="i32", eps="fp32")
@@ -171,11 +169,8 @@ def compile_config(cfg: AotConfig):
         raise RuntimeError("TLX is not installed (needs fbtriton==3.7.4)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile TLX kernels")
-    options = dict(num_warps=4, num_stages=1)
-    if isinstance(cfg, MlpAotConfig):
-        return triton.compile(_mlp_source(cfg), target=GPUTarget("cuda", 90, 32),
-                              options=dict(options, ctas_per_cga=(cfg.ctas, 1, 1)))
-    return triton.compile(_source(cfg), target=GPUTarget("cuda", 90, 32), options=options)
+    source = _mlp_source(cfg) if isinstance(cfg, MlpAotConfig) else _source(cfg)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
 
 
 def tuning_of(cfg: AotConfig) -> dict:
