@@ -49,7 +49,7 @@ SUPPORTED_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "PIPELINE")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
 # fbtriton 3.7's sm_90 builds allocate it (tests/test_tlx_aot.py holds this model to them).
 _SCRATCH_PER_CONSUMER = {64: 384, 128: 384, 256: 624}
@@ -77,11 +77,12 @@ def tlx_mlp_config(d_model: int, knob_items: tuple = ()) -> dict:
         stages = 0
         while stages < MAX_STAGES and smem_bytes(d_model, stages + 1, consumers) + SMEM_SLACK <= SM90_MAX_SMEM:
             stages += 1
-    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
+    # PIPELINE: issue chunk c + 1's first product before chunk c's GELU (needs 2 ring slots).
+    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers, PIPELINE=bool(knobs.get("PIPELINE", False)))
     need = smem_bytes(d_model, stages, consumers)
-    if consumers not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
+    if consumers not in (1, 2) or stages < 1 + cfg["PIPELINE"] or need + SMEM_SLACK > SM90_MAX_SMEM:
         raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
-                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
+                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage (2 with PIPELINE)")
     cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
     return cfg
 
@@ -103,11 +104,28 @@ if HAS_TLX:
         return tl.load(x_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
+    def _activation_and_second_product(hidden, acc, b1_ptr, w2_buf, hidden_buf, desc_hidden, row0, c,
+                                       dtype: tl.constexpr, CHUNK: tl.constexpr):
+        """Chunk c's bias and GELU on the first product's fp32 result, then (issued, not waited) the
+        second product into acc; the rounded pre-activation leaves by TMA while that runs."""
+        b1 = tl.load(b1_ptr + c * CHUNK + tl.arange(0, CHUNK)).to(tl.float32)
+        hidden = (hidden + b1[None, :]).to(dtype)
+        activation = _gelu(hidden.to(tl.float32)).to(dtype)
+        acc = tlx.async_dot(activation, tlx.local_trans(w2_buf), acc)
+        # TMA writes no row past T; the previous chunk's store has had a chunk's time to read the tile.
+        tlx.async_descriptor_store_wait(0)
+        tlx.local_store(hidden_buf, hidden)
+        tlx.fence_async_shared()
+        tlx.async_descriptor_store(desc_hidden, hidden_buf, [row0, c * CHUNK])
+        return acc
+
+    @triton.jit
     def _tlx_mlp_sublayer_fwd(
         desc_w1, desc_w2, desc_hidden, x_ptr, norm_weight_ptr, norm_bias_ptr, b1_ptr, b2_ptr,
         y_ptr, mean_ptr, rstd_ptr,
         T, H, eps,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+        PIPELINE: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
@@ -174,25 +192,39 @@ if HAS_TLX:
                     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
                     acc = tl.zeros((BLOCK, D), dtype=tl.float32)
-                    for c in range(0, num_chunks):
-                        k = r * num_chunks + c
-                        slot = k % NUM_STAGES
-                        phase = (k // NUM_STAGES) & 1
-                        tlx.barrier_wait(fulls[slot], phase)
-                        hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[slot]))
-                        b1 = tl.load(b1_ptr + c * CHUNK + hcols).to(tl.float32)
+                    k0 = r * num_chunks
+                    if PIPELINE:
+                        # Chunk c + 1's first product runs on the tensor cores while chunk c's GELU runs
+                        # on the CUDA cores: the ring holds chunks c and c + 1 (NUM_STAGES >= 2).
+                        tlx.barrier_wait(fulls[k0 % NUM_STAGES], (k0 // NUM_STAGES) & 1)
+                        hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[k0 % NUM_STAGES]))
                         hidden = tlx.async_dot_wait(0, hidden)
-                        hidden = (hidden + b1[None, :]).to(dtype)
-                        activation = _gelu(hidden.to(tl.float32)).to(dtype)
-                        acc = tlx.async_dot(activation, tlx.local_trans(w2_bufs[slot]), acc)
-                        # The pre-activation's store overlaps the wgmma. TMA writes no row past T, and
-                        # the previous chunk's store has had a whole chunk's time to read the tile.
-                        tlx.async_descriptor_store_wait(0)
-                        tlx.local_store(hidden_buf, hidden)
-                        tlx.fence_async_shared()
-                        tlx.async_descriptor_store(desc_hidden, hidden_buf, [row0, c * CHUNK])
+                        for c in range(0, num_chunks - 1):
+                            slot = (k0 + c) % NUM_STAGES
+                            next_slot = (k0 + c + 1) % NUM_STAGES
+                            tlx.barrier_wait(fulls[next_slot], ((k0 + c + 1) // NUM_STAGES) & 1)
+                            next_hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[next_slot]))
+                            acc = _activation_and_second_product(
+                                hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK)
+                            acc = tlx.async_dot_wait(0, acc)
+                            hidden = tlx.async_dot_wait(0, next_hidden)
+                            tlx.barrier_arrive(empties[slot], 1)
+                        last_slot = (k0 + num_chunks - 1) % NUM_STAGES
+                        acc = _activation_and_second_product(
+                            hidden, acc, b1_ptr, w2_bufs[last_slot], hidden_buf, desc_hidden, row0, num_chunks - 1,
+                            dtype, CHUNK)
                         acc = tlx.async_dot_wait(0, acc)
-                        tlx.barrier_arrive(empties[slot], 1)
+                        tlx.barrier_arrive(empties[last_slot], 1)
+                    else:
+                        for c in range(0, num_chunks):
+                            slot = (k0 + c) % NUM_STAGES
+                            tlx.barrier_wait(fulls[slot], ((k0 + c) // NUM_STAGES) & 1)
+                            hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[slot]))
+                            hidden = tlx.async_dot_wait(0, hidden)
+                            acc = _activation_and_second_product(
+                                hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK)
+                            acc = tlx.async_dot_wait(0, acc)
+                            tlx.barrier_arrive(empties[slot], 1)
 
                     # The second linear's output, rounded to the compute dtype before the residual as
                     # nn.Linear's is, goes through the LN(x) tile (no wgmma reads it any more) so the

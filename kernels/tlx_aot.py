@@ -71,19 +71,21 @@ class MlpAotConfig:
     d_model: int
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
+    pipeline: bool = False  # the PIPELINE knob
 
     @property
     def name(self) -> str:
-        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}"
+        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}" + ("@pipeline" if self.pipeline else "")
 
     @property
     def knobs(self) -> dict:
-        return mlp_sublayer_tlx.tlx_mlp_config(self.d_model)
+        return mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("PIPELINE", self.pipeline),))
 
 
 def mlp_aot_configs() -> list[MlpAotConfig]:
-    return [MlpAotConfig(d, x_dtype, dtype) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
-            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))]
+    return [MlpAotConfig(d, x_dtype, dtype, pipeline) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
+            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))
+            for pipeline in (False, True)]
 
 
 def _mlp_source(cfg: MlpAotConfig):

@@ -134,7 +134,8 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
 
 
 # The TLX forward's tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS).
-TLX_MLP_VARIANTS = {"one_consumer": {"NUM_CONSUMERS": 1}}
+TLX_MLP_VARIANTS = {"one_consumer": {"NUM_CONSUMERS": 1}, "pipeline": {"PIPELINE": True},
+                    "pipeline_one_consumer": {"PIPELINE": True, "NUM_CONSUMERS": 1}}
 
 
 @pytest.mark.parametrize("variant", TLX_MLP_VARIANTS)
