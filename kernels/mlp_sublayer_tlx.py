@@ -1,4 +1,4 @@
-"""TLX (Meta's Triton fork) warp-specialized fused MLP sublayer forward for Hopper (sm_90); see mlp_dispatch.py.
+"""TLX (Meta's Triton fork) warp-specialized fused MLP sublayer for Hopper (sm_90); see mlp_dispatch.py.
 
 Invariants the kernel relies on:
 - x [T, D] (fp32 under autocast, or the compute dtype) with contiguous rows; D = d_model is 64, 128
@@ -16,8 +16,10 @@ Invariants the kernel relies on:
   registers across the chunks; GELU's input, the pre-activation, is rounded to the compute dtype
   (and saved for the backward) as the Triton kernel does, so both backends compute the same thing.
 - Rows >= T are loaded as zeros and never stored.
-The backward is the Triton token-tile kernel (kernels/mlp_sublayer_triton.py) and two cuBLAS GEMMs:
-a warp-specialized TLX backward is not written yet.
+The backward's token-tile kernel has the same shape (the producer also brings each consumer's saved
+pre-activation chunk; dH, GELU's output and dLN leave by TMA or in 64-column slices), then the
+Triton LayerNorm-backward kernel and the two weight-gradient GEMMs of mlp_dispatch.py. The launch knob
+TRITON_TILES runs the Triton token-tile kernel instead.
 """
 
 import functools
@@ -31,13 +33,13 @@ try:
 
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    # One GELU for both backends; the backward's token-tile kernel is the Triton one.
-    from .mlp_sublayer_triton import _backward_tiles, _gelu
+    # One GELU (and its derivative) for both backends; LayerNorm's backward is the Triton kernel's.
+    from .mlp_sublayer_triton import _backward_tiles as _triton_backward_tiles
+    from .mlp_sublayer_triton import _gelu, _gelu_grad, layer_norm_backward
 
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
     HAS_TLX = False
-    _backward_tiles = None
 
 from .backend import launch_overrides
 from .mlp_dispatch import MlpBackend, mlp_kernel_ops
@@ -50,37 +52,62 @@ BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
 FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "PIPELINE")
+# TRITON_TILES: the backward's token-tile kernel is the Triton one (kernels/mlp_sublayer_triton.py).
+BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_TILES")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
 # fbtriton 3.7's sm_90 builds allocate it (tests/test_tlx_aot.py holds this model to them).
 _SCRATCH_PER_CONSUMER = {64: 384, 128: 384, 256: 624}
+# The backward's, larger: dLN's fp32 column slices and dH's column sums go through layout conversions.
+_BWD_SCRATCH_PER_CONSUMER = {64: 16548, 128: 16532, 256: 16676}
 
 
-def smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, elem_size: int = 2) -> int:
-    """The ring (a W1 and a W2 box per slot); per consumer its LN(x) tile, its pre-activation
-    staging tile for the TMA store, and compiler scratch."""
-    slot = 2 * BLOCK_H * d_model * elem_size
-    per_consumer = (BLOCK_M * d_model + BLOCK_M * BLOCK_H) * elem_size + _SCRATCH_PER_CONSUMER[d_model]
-    return NUM_STAGES * slot + NUM_CONSUMERS * per_consumer
+def smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, backward: bool = False, elem_size: int = 2) -> int:
+    """Shared memory of one program. Forward: the ring (a W1 and a W2 box per slot); per consumer
+    its LN(x) tile and its pre-activation staging tile. Backward: the ring also holds every
+    consumer's pre-activation chunk; per consumer its dY tile and the dH and GELU staging tiles.
+    Both: compiler scratch per consumer."""
+    tile, chunk = BLOCK_M * d_model, BLOCK_M * BLOCK_H
+    slot = 2 * BLOCK_H * d_model + (NUM_CONSUMERS * chunk if backward else 0)
+    per_consumer = tile + (2 if backward else 1) * chunk
+    scratch = (_BWD_SCRATCH_PER_CONSUMER if backward else _SCRATCH_PER_CONSUMER)[d_model]
+    return (NUM_STAGES * slot + NUM_CONSUMERS * per_consumer) * elem_size + NUM_CONSUMERS * scratch
+
+
+def tlx_mlp_config(d_model: int, knob_items: tuple = (), backward: bool = False) -> dict:
+    """Constexpr knobs of one direction: two consumers (one's elementwise work and stores run while
+    the other's wgmma does) with a ring of at least two slots where that fits in 227 KiB, else one
+    consumer; the deepest ring up to MAX_STAGES. `knob_items` (FWD_KNOBS / BWD_KNOBS) override them."""
+    return dict(_cached_config(d_model, knob_items, backward))  # a copy: callers may change it
 
 
 @functools.lru_cache(maxsize=None)
-def tlx_mlp_config(d_model: int, knob_items: tuple = ()) -> dict:
-    """Constexpr knobs: two consumers (one's GELU and stores run while the other's wgmma does), and
-    the deepest ring up to MAX_STAGES that fits in 227 KiB; `knob_items` (FWD_KNOBS) override them."""
+def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
     knobs = dict(knob_items)
-    unknown = set(knobs) - set(FWD_KNOBS)
+    allowed = BWD_KNOBS if backward else FWD_KNOBS
+    unknown = set(knobs) - set(allowed)
     if unknown:
-        raise ValueError(f"unknown TLX mlp_sublayer fwd tuning knobs {sorted(unknown)}; choose from {FWD_KNOBS}")
-    consumers = knobs.get("NUM_CONSUMERS", 2)
-    stages = knobs.get("NUM_STAGES")
-    if stages is None:
+        raise ValueError(f"unknown TLX mlp_sublayer {'bwd' if backward else 'fwd'} tuning knobs {sorted(unknown)}; "
+                         f"choose from {allowed}")
+
+    def deepest(consumers: int) -> int:
+        if knobs.get("NUM_STAGES") is not None:
+            return knobs["NUM_STAGES"]
         stages = 0
-        while stages < MAX_STAGES and smem_bytes(d_model, stages + 1, consumers) + SMEM_SLACK <= SM90_MAX_SMEM:
+        while stages < MAX_STAGES and smem_bytes(d_model, stages + 1, consumers, backward) + SMEM_SLACK <= SM90_MAX_SMEM:
             stages += 1
-    # PIPELINE: issue chunk c + 1's first product before chunk c's GELU (needs 2 ring slots).
-    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers, PIPELINE=bool(knobs.get("PIPELINE", False)))
-    need = smem_bytes(d_model, stages, consumers)
-    if consumers not in (1, 2) or stages < 1 + cfg["PIPELINE"] or need + SMEM_SLACK > SM90_MAX_SMEM:
+        return stages
+
+    choices = [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]
+    consumers = next((c for c in choices if deepest(c) >= 2), choices[0])
+    stages = deepest(consumers)
+    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
+    if backward:
+        cfg["TRITON_TILES"] = bool(knobs.get("TRITON_TILES", False))
+    else:
+        # PIPELINE: issue chunk c + 1's first product before chunk c's GELU (needs 2 ring slots).
+        cfg["PIPELINE"] = bool(knobs.get("PIPELINE", False))
+    need = smem_bytes(d_model, stages, consumers, backward)
+    if consumers not in (1, 2) or stages < 1 + cfg.get("PIPELINE", 0) or need + SMEM_SLACK > SM90_MAX_SMEM:
         raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
                          f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage (2 with PIPELINE)")
     cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
@@ -240,6 +267,139 @@ if HAS_TLX:
                 tlx.async_descriptor_store_wait(0)
 
 
+
+    @triton.jit
+    def _store_fp32_columns(ptr, acc, rows64, row_ok, col0: tl.constexpr, D: tl.constexpr):
+        cols = col0 + tl.arange(0, 64)
+        tl.store(ptr + rows64[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _split_columns(acc, WIDTH: tl.constexpr):
+        """The left and right column halves of a [64, WIDTH] register tile."""
+        return tl.split(tl.permute(tl.reshape(acc, (64, 2, WIDTH // 2)), (0, 2, 1)))
+
+    @triton.jit
+    def _store_accumulator(ptr, acc, rows64, row_ok, D: tl.constexpr):
+        """A [64, D] fp32 accumulator stored in 64-column slices: a store of the whole tile would need
+        [64, D] int64 addresses beside it in registers."""
+        if D == 64:
+            _store_fp32_columns(ptr, acc, rows64, row_ok, 0, D)
+        elif D == 128:
+            left, right = _split_columns(acc, 128)
+            _store_fp32_columns(ptr, left, rows64, row_ok, 0, D)
+            _store_fp32_columns(ptr, right, rows64, row_ok, 64, D)
+        else:
+            left, right = _split_columns(acc, 256)
+            a, b = _split_columns(left, 128)
+            _store_fp32_columns(ptr, a, rows64, row_ok, 0, D)
+            _store_fp32_columns(ptr, b, rows64, row_ok, 64, D)
+            a, b = _split_columns(right, 128)
+            _store_fp32_columns(ptr, a, rows64, row_ok, 128, D)
+            _store_fp32_columns(ptr, b, rows64, row_ok, 192, D)
+
+    @triton.jit
+    def _tlx_mlp_sublayer_bwd(
+        desc_w1, desc_w2, desc_hidden, desc_grad_hidden, desc_activation,
+        grad_y_ptr, x_ptr, norm_weight_ptr, norm_bias_ptr, mean_ptr, rstd_ptr,
+        grad_normed_ptr, normed_ptr, db1_parts_ptr,
+        T, H, grad_y_stride,
+        D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+    ):
+        """The backward's token-tile kernel: per 64-token tile, LN(x) (for dW1's GEMM), and per hidden
+        chunk dG = dY W2[:, chunk], dH = dG GELU'(pre-activation), GELU(pre-activation) (for dW2's
+        GEMM), dLN += dH W1[chunk, :]. dLN leaves in fp32; LayerNorm's backward is a second kernel."""
+        BLOCK: tl.constexpr = 64
+        CHUNK: tl.constexpr = 64
+        dtype: tl.constexpr = tlx.dtype_of(desc_w1)
+        SLOT_BYTES: tl.constexpr = (2 * CHUNK * D + NUM_CONSUMERS * BLOCK * CHUNK) * tlx.size_of(dtype)
+
+        w1_bufs = tlx.local_alloc((CHUNK, D), dtype, NUM_STAGES)
+        w2_bufs = tlx.local_alloc((D, CHUNK), dtype, NUM_STAGES)
+        # Each slot also holds every consumer's pre-activation chunk (the producer loads them by TMA).
+        hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_STAGES * NUM_CONSUMERS)
+        grad_y_bufs = tlx.local_alloc((BLOCK, D), dtype, NUM_CONSUMERS)
+        # dH is staged for its TMA store and is also wgmma's A operand of dLN; GELU's output is staged
+        # for its store.
+        grad_hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
+        activation_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
+        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
+
+        with tlx.async_tasks():
+            with tlx.async_task("default"):
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
+                num_chunks = H // CHUNK
+                for k in range(0, n_rounds * num_chunks):
+                    r = k // num_chunks
+                    h0 = (k % num_chunks) * CHUNK
+                    slot = k % NUM_STAGES
+                    phase = (k // NUM_STAGES) & 1
+                    tlx.barrier_wait(empties[slot], phase ^ 1)
+                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
+                    tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
+                    tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
+                    for c in tl.static_range(NUM_CONSUMERS):
+                        # Rows past T arrive as zeros (TMA's fill) and are never stored.
+                        row0 = ((pid + r * nprog) * NUM_CONSUMERS + c) * BLOCK
+                        tlx.async_descriptor_load(desc_hidden, hidden_bufs[slot * NUM_CONSUMERS + c], [row0, h0],
+                                                  fulls[slot])
+
+            with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
+                cid: tl.constexpr = tlx.async_task_replica_id()
+                hcols = tl.arange(0, CHUNK)
+                grad_y_buf = grad_y_bufs[cid]
+                grad_hidden_buf = grad_hidden_bufs[cid]
+                activation_buf = activation_bufs[cid]
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
+                num_chunks = H // CHUNK
+                for r in range(0, n_rounds):
+                    tile = (pid + r * nprog) * NUM_CONSUMERS + cid
+                    row0 = tile * BLOCK
+                    rows = row0 + tl.arange(0, BLOCK)
+                    row_ok = rows < T
+                    rows64 = rows.to(tl.int64)
+                    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+                    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+                    for c in tl.static_range(D // CHUNK):
+                        # LN(x) recomputed from the saved statistics as the forward computed it, for
+                        # dW1's GEMM; dY rounded to the compute dtype (the second linear's output was),
+                        # into this consumer's A tile of dG.
+                        centered = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) - mean[:, None]
+                        weight = tl.load(norm_weight_ptr + c * CHUNK + hcols).to(tl.float32)
+                        bias = tl.load(norm_bias_ptr + c * CHUNK + hcols).to(tl.float32)
+                        normed = centered * rstd[:, None] * weight[None, :] + bias[None, :]
+                        offs = rows64[:, None] * D + (c * CHUNK + hcols)[None, :]
+                        tl.store(normed_ptr + offs, normed.to(dtype), mask=row_ok[:, None])
+                        grad_y = tl.load(grad_y_ptr + rows64[:, None] * grad_y_stride + (c * CHUNK + hcols)[None, :],
+                                         mask=row_ok[:, None], other=0.0)
+                        tlx.local_store(tlx.local_slice(grad_y_buf, [0, c * CHUNK], [BLOCK, CHUNK]), grad_y.to(dtype))
+                    tlx.fence_async_shared()
+
+                    acc = tl.zeros((BLOCK, D), dtype=tl.float32)
+                    for c in range(0, num_chunks):
+                        k = r * num_chunks + c
+                        slot = k % NUM_STAGES
+                        tlx.barrier_wait(fulls[slot], (k // NUM_STAGES) & 1)
+                        grad_act = tlx.async_dot(grad_y_buf, w2_bufs[slot])
+                        hidden = tlx.local_load(hidden_bufs[slot * NUM_CONSUMERS + cid]).to(tl.float32)
+                        grad_act = tlx.async_dot_wait(0, grad_act)
+                        grad_hidden = (grad_act * _gelu_grad(hidden)).to(dtype)
+                        # The previous chunk's stores have read the staging tiles.
+                        tlx.async_descriptor_store_wait(0)
+                        tlx.local_store(grad_hidden_buf, grad_hidden)
+                        tlx.local_store(activation_buf, _gelu(hidden).to(dtype))
+                        tlx.fence_async_shared()
+                        acc = tlx.async_dot(grad_hidden_buf, w1_bufs[slot], acc)
+                        tlx.async_descriptor_store(desc_grad_hidden, grad_hidden_buf, [row0, c * CHUNK])
+                        tlx.async_descriptor_store(desc_activation, activation_buf, [row0, c * CHUNK])
+                        # Zero rows of dY (past T) give zero rows of dH: the column sums need no mask.
+                        tl.store(db1_parts_ptr + tile * H + c * CHUNK + hcols, tl.sum(grad_hidden.to(tl.float32), 0))
+                        acc = tlx.async_dot_wait(0, acc)
+                        tlx.barrier_arrive(empties[slot], 1)
+                    _store_accumulator(grad_normed_ptr, acc, rows64, row_ok, D)
+                tlx.async_descriptor_store_wait(0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -273,6 +433,44 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
             D=d_model, num_warps=4, num_stages=1, **cfg,
         )
     return y, hidden, mean, rstd
+
+
+def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
+    tokens, d_model = x.shape
+    hidden_width = w1.shape[0]
+    overrides = launch_overrides(launch, "bwd")
+    cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())), backward=True)
+    if cfg.pop("TRITON_TILES"):
+        return _triton_backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "")
+    x, grad_y = x.contiguous(), grad_y.contiguous()
+    w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
+    device, dtype = x.device, w1.dtype
+    # At least one tile of rows under every TMA-tiled tensor (a box may not exceed its tensor).
+    rows = max(tokens, BLOCK_M)
+    if hidden.shape[0] < rows or hidden.stride(0) != hidden_width:
+        hidden = torch.cat([hidden, hidden.new_zeros(rows - tokens, hidden_width)]) if tokens < rows else hidden.contiguous()
+    grad_hidden_rows = torch.empty((rows, hidden_width), dtype=dtype, device=device)
+    activation_rows = torch.empty_like(grad_hidden_rows)
+    normed = torch.empty((tokens, d_model), dtype=dtype, device=device)
+    grad_normed = torch.empty((tokens, d_model), dtype=torch.float32, device=device)
+    db1_parts = torch.zeros((triton.cdiv(tokens, BLOCK_M), hidden_width), dtype=torch.float32, device=device)
+    dx = torch.empty((tokens, d_model), dtype=x.dtype, device=device)
+    if tokens:
+        groups = triton.cdiv(triton.cdiv(tokens, BLOCK_M), cfg["NUM_CONSUMERS"])
+        with torch.cuda.device(device):
+            chunk = dict(shape=[tokens, hidden_width], strides=[hidden_width, 1], block_shape=[BLOCK_M, BLOCK_H])
+            descs = (
+                TensorDescriptor(w1, shape=list(w1.shape), strides=[w1.stride(0), 1], block_shape=[BLOCK_H, d_model]),
+                TensorDescriptor(w2, shape=list(w2.shape), strides=[w2.stride(0), 1], block_shape=[d_model, BLOCK_H]),
+                TensorDescriptor(hidden, **chunk), TensorDescriptor(grad_hidden_rows, **chunk),
+                TensorDescriptor(activation_rows, **chunk),
+            )
+            _tlx_mlp_sublayer_bwd[(max(1, min(_num_sms(device), groups)),)](
+                *descs, grad_y, x, norm_weight, norm_bias, mean, rstd, grad_normed, normed, db1_parts,
+                tokens, hidden_width, grad_y.stride(0), D=d_model, num_warps=4, num_stages=1, **cfg,
+            )
+    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, dx)
+    return dx, grad_hidden_rows[:tokens], activation_rows[:tokens], normed, db1_parts, dnw_parts, dnb_parts
 
 
 _run_ops = mlp_kernel_ops("tlx", _forward, _backward_tiles)

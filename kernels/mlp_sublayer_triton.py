@@ -122,16 +122,60 @@ def _mlp_sublayer_bwd_tiles(
         tl.store(db1_parts_ptr + tile * H + h0 + hcols, tl.sum(grad_hidden.to(tl.float32), 0))
         w1 = tl.load(w1_ptr + (h0 + hcols)[:, None] * D + cols[None, :])
         grad_normed = tl.dot(grad_hidden, w1, grad_normed, input_precision=DOT_PRECISION)
-    # LayerNorm's backward: dx̂ = dLN * weight; dx = rstd (dx̂ - mean(dx̂) - x̂ mean(dx̂ x̂)), plus the residual.
+    _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr, dnw_parts_ptr,
+                              dnb_parts_ptr, tile, rows64, row_ok, D)
+
+
+@triton.jit
+def _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y, norm_weight_ptr, dx_ptr, dnw_parts_ptr, dnb_parts_ptr,
+                              tile, rows64, row_ok, D: tl.constexpr):
+    """LayerNorm's backward for fp32 rows, plus the residual's gradient: dx̂ = dLN * weight,
+    dx = grad_y + rstd (dx̂ - mean(dx̂) - x̂ mean(dx̂ x̂)); the affine's partial sums go to row `tile`."""
+    cols = tl.arange(0, D)
     weight = tl.load(norm_weight_ptr + cols).to(tl.float32)
     grad_x_hat = grad_normed * weight[None, :]
     grad_x_hat_mean = tl.sum(grad_x_hat, 1) / D
     grad_x_hat_dot_mean = tl.sum(grad_x_hat * x_hat, 1) / D
-    dx = grad_y.to(tl.float32) + rstd[:, None] * (
-        grad_x_hat - grad_x_hat_mean[:, None] - x_hat * grad_x_hat_dot_mean[:, None])
+    dx = grad_y + rstd[:, None] * (grad_x_hat - grad_x_hat_mean[:, None] - x_hat * grad_x_hat_dot_mean[:, None])
     tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(dnw_parts_ptr + tile * D + cols, tl.sum(grad_normed * x_hat, 0))
     tl.store(dnb_parts_ptr + tile * D + cols, tl.sum(grad_normed, 0))
+
+
+@triton.jit
+def _layer_norm_bwd_tiles(
+    grad_normed_ptr, grad_y_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, dx_ptr, dnw_parts_ptr, dnb_parts_ptr,
+    T, x_stride, grad_y_stride, D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """LayerNorm's backward alone, for a backward whose tile kernel wrote LN's output gradient (fp32)
+    instead of finishing it (kernels/mlp_sublayer_tlx.py)."""
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    grad_y = tl.load(grad_y_ptr + rows64[:, None] * grad_y_stride + cols[None, :], mask=row_ok[:, None], other=0.0)
+    grad_normed = tl.load(grad_normed_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
+    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    x_hat = (x - mean[:, None]) * rstd[:, None]
+    _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr, dnw_parts_ptr,
+                              dnb_parts_ptr, tile, rows64, row_ok, D)
+
+
+def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, dx, block_m: int = 64):
+    """Launches _layer_norm_bwd_tiles; returns LayerNorm's affine partial sums [tiles, D] (fp32)."""
+    tokens, d_model = x.shape
+    tiles = triton.cdiv(tokens, block_m)
+    dnw_parts = torch.zeros((tiles, d_model), dtype=torch.float32, device=x.device)
+    dnb_parts = torch.zeros_like(dnw_parts)
+    if tokens:
+        args = (grad_normed, grad_y, x, mean, rstd, norm_weight, dx, dnw_parts, dnb_parts, tokens, x.stride(0),
+                grad_y.stride(0))
+        _launch(_layer_norm_bwd_tiles, tokens, x.device, LaunchConfig(block_m=block_m), args,
+                dict(D=d_model, BLOCK_M=block_m))
+    return dnw_parts, dnb_parts
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ if HAS_TLX:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .mlp_sublayer_tlx import _tlx_mlp_sublayer_fwd
+    from .mlp_sublayer_tlx import _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
     from .tlx_block_attention import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
 
@@ -66,43 +66,58 @@ class AotConfig:
 
 @dataclass(frozen=True)
 class MlpAotConfig:
-    """The fused MLP sublayer's TLX forward (kernels/mlp_sublayer_tlx.py) at one d_model."""
+    """A kernel of the fused MLP sublayer's TLX backend (kernels/mlp_sublayer_tlx.py) at one d_model."""
 
+    direction: str  # "fwd" or "bwd"
     d_model: int
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
-    pipeline: bool = False  # the PIPELINE knob
+    pipeline: bool = False  # the forward's PIPELINE knob
 
     @property
     def name(self) -> str:
-        return f"mlp_fwd_d{self.d_model}_x{self.x_dtype}_{self.dtype}" + ("@pipeline" if self.pipeline else "")
+        suffix = "@pipeline" if self.pipeline else ""
+        return f"mlp_{self.direction}_d{self.d_model}_x{self.x_dtype}_{self.dtype}{suffix}"
 
     @property
     def knobs(self) -> dict:
+        if self.direction == "bwd":
+            cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, backward=True)
+            cfg.pop("TRITON_TILES")  # a host-side choice, not a kernel constexpr
+            return cfg
         return mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("PIPELINE", self.pipeline),))
 
 
 def mlp_aot_configs() -> list[MlpAotConfig]:
-    return [MlpAotConfig(d, x_dtype, dtype, pipeline) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
-            for x_dtype, dtype in (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))
-            for pipeline in (False, True)]
+    dtypes = (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))
+    return [MlpAotConfig("fwd", d, x_dtype, dtype, pipeline) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
+            for x_dtype, dtype in dtypes for pipeline in (False, True)] + [
+        MlpAotConfig("bwd", d, x_dtype, dtype) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes]
 
 
 def _mlp_source(cfg: MlpAotConfig):
-    fn = _tlx_mlp_sublayer_fwd
-    D, chunk = cfg.d_model, mlp_sublayer_tlx.BLOCK_H
+    D, chunk, dt = cfg.d_model, mlp_sublayer_tlx.BLOCK_H, cfg.dtype
     constexprs = dict(D=D, **cfg.knobs)
-    signature = dict(desc_w1=f"tensordesc<{cfg.dtype}[{chunk}, {D}]>", desc_w2=f"tensordesc<{cfg.dtype}[{D}, {chunk}]>",
-                     desc_hidden=f"tensordesc<{cfg.dtype}[64, {chunk}]>", x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32", norm_bias_ptr="*fp32", b1_ptr=f"*{cfg.dtype}",
-                     b2_ptr=f"*{cfg.dtype}", y_ptr=f"*{cfg.x_dtype}", mean_ptr="*fp32",
-                     rstd_ptr="*fp32", T="i32", H="i32", eps="fp32")
+    weights = dict(desc_w1=f"tensordesc<{dt}[{chunk}, {D}]>", desc_w2=f"tensordesc<{dt}[{D}, {chunk}]>")
+    chunk_desc = f"tensordesc<{dt}[64, {chunk}]>"
+    if cfg.direction == "fwd":
+        fn = _tlx_mlp_sublayer_fwd
+        signature = dict(**weights, desc_hidden=chunk_desc, x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32",
+                         norm_bias_ptr="*fp32", b1_ptr=f"*{dt}", b2_ptr=f"*{dt}", y_ptr=f"*{cfg.x_dtype}",
+                         mean_ptr="*fp32", rstd_ptr="*fp32", T="i32", H="i32", eps="fp32")
+    else:
+        fn = _tlx_mlp_sublayer_bwd
+        signature = dict(**weights, desc_hidden=chunk_desc, desc_grad_hidden=chunk_desc, desc_activation=chunk_desc,
+                         grad_y_ptr=f"*{cfg.x_dtype}", x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32",
+                         norm_bias_ptr="*fp32", mean_ptr="*fp32", rstd_ptr="*fp32", grad_normed_ptr="*fp32",
+                         normed_ptr=f"*{dt}", db1_parts_ptr="*fp32", T="i32", H="i32", grad_y_stride="i32")
     for name in constexprs:
         signature.setdefault(name, "constexpr")
     assert set(signature) == set(fn.arg_names), (
         f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
     signature = {name: signature[name] for name in fn.arg_names}
-    # Pointers from torch's allocator are 16-byte aligned; H is a multiple of 64.
-    divisible = [n for n in signature if n.endswith("_ptr")] + ["H"]
+    # Pointers from torch's allocator are 16-byte aligned; H (and a contiguous dY's stride) are multiples of 64.
+    divisible = [n for n in signature if n.endswith("_ptr")] + [n for n in ("H", "grad_y_stride") if n in signature]
     attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
@@ -179,8 +194,8 @@ def tuning_of(cfg: AotConfig) -> dict:
     """The constexpr knobs a launch of this configuration uses, and their SMEM estimate."""
     if isinstance(cfg, MlpAotConfig):
         tuning = cfg.knobs
-        return dict(tuning, smem_estimate=mlp_sublayer_tlx.smem_bytes(cfg.d_model, tuning["NUM_STAGES"],
-                                                                      tuning["NUM_CONSUMERS"]))
+        return dict(tuning, smem_estimate=mlp_sublayer_tlx.smem_bytes(
+            cfg.d_model, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"], backward=cfg.direction == "bwd"))
     tuning = tlx_config(cfg.head_dim, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)
     return dict(tuning, smem_estimate=config_smem_bytes(cfg.head_dim, cfg.rotary, cfg.direction == "bwd", tuning))
 

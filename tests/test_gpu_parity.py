@@ -133,9 +133,10 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
     torch.library.opcheck(ops.forward_op, (x, nw, nb, w1, b1, w2, b2, 1e-5, ""))
 
 
-# The TLX forward's tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS).
-TLX_MLP_VARIANTS = {"one_consumer": {"NUM_CONSUMERS": 1}, "pipeline": {"PIPELINE": True},
-                    "pipeline_one_consumer": {"PIPELINE": True, "NUM_CONSUMERS": 1}}
+# The TLX kernels' tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS).
+TLX_MLP_VARIANTS = {"one_consumer": {"fwd": {"NUM_CONSUMERS": 1}}, "pipeline": {"fwd": {"PIPELINE": True}},
+                    "pipeline_one_consumer": {"fwd": {"PIPELINE": True, "NUM_CONSUMERS": 1}},
+                    "triton_tiles_backward": {"bwd": {"TRITON_TILES": True}}}
 
 
 @pytest.mark.parametrize("variant", TLX_MLP_VARIANTS)
@@ -144,6 +145,6 @@ def test_mlp_parity_tlx_variants(variant):
     for tokens in (1, 200, 5000 + 17):
         result = mlp_parity("tlx", tokens=tokens, d_model=256, hidden=1024, x_dtype=torch.float32,
                             compute_dtype=torch.bfloat16, device="cuda", seed=tokens,
-                            launch={"fwd": TLX_MLP_VARIANTS[variant]})
+                            launch=TLX_MLP_VARIANTS[variant])
         print(result.summary())
         assert result.ok, result.summary()

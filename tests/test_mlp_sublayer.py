@@ -174,3 +174,44 @@ def test_public_api_compiles_without_graph_breaks():
     compiled = torch.compile(sublayer, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
     for a, b in zip(_out_and_grads(compiled, leaves, grad_y), _out_and_grads(sublayer, leaves, grad_y)):
         assert torch.equal(a, b)
+
+
+def test_layer_norm_backward_kernel_matches_autograd():
+    """The standalone LayerNorm-backward kernel (the TLX backward's second pass): dx (with the
+    residual's grad_y) and the affine's partial sums, against autograd of F.layer_norm, fp32."""
+    from kernels.mlp_sublayer_triton import layer_norm_backward
+
+    generator = torch.Generator().manual_seed(11)
+    tokens, d_model = 100, 64
+    x = torch.randn(tokens, d_model, generator=generator) * 2 + 1
+    weight, bias = 1 + 0.1 * torch.randn(d_model, generator=generator), 0.1 * torch.randn(d_model, generator=generator)
+    grad_normed, grad_y = torch.randn(tokens, d_model, generator=generator), torch.randn(tokens, d_model, generator=generator)
+    mean = x.mean(1)
+    rstd = torch.rsqrt(x.var(1, unbiased=False) + 1e-5)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    normed = nn.functional.layer_norm(leaves[0], (d_model,), leaves[1], leaves[2], 1e-5)
+    dx_ref, dw_ref, db_ref = torch.autograd.grad(normed, leaves, grad_normed)
+    dx = torch.empty_like(x)
+    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, weight, dx)
+    torch.testing.assert_close(dx, dx_ref + grad_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dnw_parts.sum(0), dw_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dnb_parts.sum(0), db_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tlx_configs_fit_and_knobs_are_checked():
+    """Every TLX configuration fits sm_90's shared memory (the AOT test holds the model to the
+    compiler), d_model 256's backward takes one consumer to keep a two-slot ring, and unknown or
+    impossible knobs are refused with the reason."""
+    from kernels.mlp_sublayer_tlx import SUPPORTED_D_MODELS, smem_bytes, tlx_mlp_config
+    from kernels.tlx_block_attention import SM90_MAX_SMEM
+
+    for d_model in SUPPORTED_D_MODELS:
+        for backward in (False, True):
+            cfg = tlx_mlp_config(d_model, backward=backward)
+            assert cfg["NUM_STAGES"] >= 2
+            assert smem_bytes(d_model, cfg["NUM_STAGES"], cfg["NUM_CONSUMERS"], backward) <= SM90_MAX_SMEM
+    assert tlx_mlp_config(256, backward=True)["NUM_CONSUMERS"] == 1
+    with pytest.raises(ValueError, match="unknown TLX mlp_sublayer fwd tuning knobs"):
+        tlx_mlp_config(256, (("TRITON_TILES", True),))
+    with pytest.raises(ValueError, match="needs .* B of shared memory"):
+        tlx_mlp_config(256, (("NUM_STAGES", 4),))
