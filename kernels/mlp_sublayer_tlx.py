@@ -18,8 +18,9 @@ Invariants the kernel relies on:
 - Rows >= T are loaded as zeros and never stored.
 The backward's token-tile kernel has the same shape (the producer also brings each consumer's saved
 pre-activation chunk; dH, GELU's output and dLN leave by TMA or in 64-column slices), then the
-Triton LayerNorm-backward kernel and the two weight-gradient GEMMs of mlp_dispatch.py. The launch knob
-TRITON_TILES runs the Triton token-tile kernel instead.
+Triton LayerNorm-backward kernel and the two weight-gradient GEMMs of mlp_dispatch.py. It runs with
+the launch knob {"bwd": {"TRITON_TILES": False}}; by default the backward takes the Triton token-tile
+kernel, which was faster on the H200 (see tlx_mlp_config).
 """
 
 import functools
@@ -51,7 +52,7 @@ SUPPORTED_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "PIPELINE")
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # TRITON_TILES: the backward's token-tile kernel is the Triton one (kernels/mlp_sublayer_triton.py).
 BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_TILES")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
@@ -102,14 +103,13 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
     stages = deepest(consumers)
     cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
     if backward:
-        cfg["TRITON_TILES"] = bool(knobs.get("TRITON_TILES", False))
-    else:
-        # PIPELINE: issue chunk c + 1's first product before chunk c's GELU (needs 2 ring slots).
-        cfg["PIPELINE"] = bool(knobs.get("PIPELINE", False))
+        # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
+        # Triton one on the H200 (sublayer fwd+bwd 4.22 against 3.75 ms, mlp_sublayer_h200.md).
+        cfg["TRITON_TILES"] = bool(knobs.get("TRITON_TILES", True))
     need = smem_bytes(d_model, stages, consumers, backward)
-    if consumers not in (1, 2) or stages < 1 + cfg.get("PIPELINE", 0) or need + SMEM_SLACK > SM90_MAX_SMEM:
+    if consumers not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
         raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
-                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage (2 with PIPELINE)")
+                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
     cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
     return cfg
 
@@ -152,7 +152,6 @@ if HAS_TLX:
         y_ptr, mean_ptr, rstd_ptr,
         T, H, eps,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        PIPELINE: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
@@ -220,38 +219,18 @@ if HAS_TLX:
 
                     acc = tl.zeros((BLOCK, D), dtype=tl.float32)
                     k0 = r * num_chunks
-                    if PIPELINE:
-                        # Chunk c + 1's first product runs on the tensor cores while chunk c's GELU runs
-                        # on the CUDA cores: the ring holds chunks c and c + 1 (NUM_STAGES >= 2).
-                        tlx.barrier_wait(fulls[k0 % NUM_STAGES], (k0 // NUM_STAGES) & 1)
-                        hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[k0 % NUM_STAGES]))
+                    # Chunk c's second product runs on the tensor cores while the other consumer's
+                    # GELU runs. (Issuing chunk c + 1's first product before chunk c's GELU, within one
+                    # consumer, spilled at d_model 256 and ran 1.7x slower on the H200.)
+                    for c in range(0, num_chunks):
+                        slot = (k0 + c) % NUM_STAGES
+                        tlx.barrier_wait(fulls[slot], ((k0 + c) // NUM_STAGES) & 1)
+                        hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[slot]))
                         hidden = tlx.async_dot_wait(0, hidden)
-                        for c in range(0, num_chunks - 1):
-                            slot = (k0 + c) % NUM_STAGES
-                            next_slot = (k0 + c + 1) % NUM_STAGES
-                            tlx.barrier_wait(fulls[next_slot], ((k0 + c + 1) // NUM_STAGES) & 1)
-                            next_hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[next_slot]))
-                            acc = _activation_and_second_product(
-                                hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK)
-                            acc = tlx.async_dot_wait(0, acc)
-                            hidden = tlx.async_dot_wait(0, next_hidden)
-                            tlx.barrier_arrive(empties[slot], 1)
-                        last_slot = (k0 + num_chunks - 1) % NUM_STAGES
                         acc = _activation_and_second_product(
-                            hidden, acc, b1_ptr, w2_bufs[last_slot], hidden_buf, desc_hidden, row0, num_chunks - 1,
-                            dtype, CHUNK)
+                            hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK)
                         acc = tlx.async_dot_wait(0, acc)
-                        tlx.barrier_arrive(empties[last_slot], 1)
-                    else:
-                        for c in range(0, num_chunks):
-                            slot = (k0 + c) % NUM_STAGES
-                            tlx.barrier_wait(fulls[slot], ((k0 + c) // NUM_STAGES) & 1)
-                            hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[slot]))
-                            hidden = tlx.async_dot_wait(0, hidden)
-                            acc = _activation_and_second_product(
-                                hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK)
-                            acc = tlx.async_dot_wait(0, acc)
-                            tlx.barrier_arrive(empties[slot], 1)
+                        tlx.barrier_arrive(empties[slot], 1)
 
                     # The second linear's output, rounded to the compute dtype before the residual as
                     # nn.Linear's is, goes through the LN(x) tile (no wgmma reads it any more) so the
@@ -392,8 +371,11 @@ if HAS_TLX:
                         acc = tlx.async_dot(grad_hidden_buf, w1_bufs[slot], acc)
                         tlx.async_descriptor_store(desc_grad_hidden, grad_hidden_buf, [row0, c * CHUNK])
                         tlx.async_descriptor_store(desc_activation, activation_buf, [row0, c * CHUNK])
-                        # Zero rows of dY (past T) give zero rows of dH: the column sums need no mask.
-                        tl.store(db1_parts_ptr + tile * H + c * CHUNK + hcols, tl.sum(grad_hidden.to(tl.float32), 0))
+                        # Zero rows of dY (past T) give zero rows of dH, so the column sums need no row
+                        # mask; a tile wholly past T (the second consumer's, when the tiles are odd) has
+                        # no row of partial sums to write.
+                        tl.store(db1_parts_ptr + tile * H + c * CHUNK + hcols, tl.sum(grad_hidden.to(tl.float32), 0),
+                                 mask=(hcols < CHUNK) & (row0 < T))
                         acc = tlx.async_dot_wait(0, acc)
                         tlx.barrier_arrive(empties[slot], 1)
                     _store_accumulator(grad_normed_ptr, acc, rows64, row_ok, D)

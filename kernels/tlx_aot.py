@@ -72,27 +72,24 @@ class MlpAotConfig:
     d_model: int
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
-    pipeline: bool = False  # the forward's PIPELINE knob
 
     @property
     def name(self) -> str:
-        suffix = "@pipeline" if self.pipeline else ""
-        return f"mlp_{self.direction}_d{self.d_model}_x{self.x_dtype}_{self.dtype}{suffix}"
+        return f"mlp_{self.direction}_d{self.d_model}_x{self.x_dtype}_{self.dtype}"
 
     @property
     def knobs(self) -> dict:
         if self.direction == "bwd":
-            cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, backward=True)
+            cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("TRITON_TILES", False),), backward=True)
             cfg.pop("TRITON_TILES")  # a host-side choice, not a kernel constexpr
             return cfg
-        return mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("PIPELINE", self.pipeline),))
+        return mlp_sublayer_tlx.tlx_mlp_config(self.d_model)
 
 
 def mlp_aot_configs() -> list[MlpAotConfig]:
     dtypes = (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))
-    return [MlpAotConfig("fwd", d, x_dtype, dtype, pipeline) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
-            for x_dtype, dtype in dtypes for pipeline in (False, True)] + [
-        MlpAotConfig("bwd", d, x_dtype, dtype) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes]
+    return [MlpAotConfig(direction, d, x_dtype, dtype) for direction in ("fwd", "bwd")
+            for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes]
 
 
 def _mlp_source(cfg: MlpAotConfig):
