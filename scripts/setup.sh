@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1:-} == --gpu ]]; then
+  # The CUDA fbgemm-gpu loads the driver's libnvidia-ml at import: check before ~8 GB of downloads.
+  nvidia-smi > /dev/null 2>&1 || { echo "setup.sh --gpu: no NVIDIA driver here (nvidia-smi failed)" >&2; exit 2; }
   source scripts/gpu_pins.sh
   python3 -m venv .venv
   pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)

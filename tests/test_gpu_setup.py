@@ -3,7 +3,9 @@ both pin a package, and the GPU scripts (setup.sh --gpu, gpu_install.sh, the pac
 versions from it instead of spelling them out. Whether the list resolves for manylinux cp311/cp312
 needs an index, so it is checked by hand (the command is in requirements/gpu.txt), not here."""
 
+import os
 import re
+import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -77,3 +79,20 @@ def test_gpu_scripts_take_versions_from_the_list(script):
     for name in GPU_LINE:
         spelled = re.findall(rf"\b{name.replace('-', '[-_]')}(?:==|-)\d[\w.]*", text)
         assert not spelled, f"scripts/{script} spells out {spelled}; use $(pin {name})"
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has an NVIDIA driver")
+def test_setup_gpu_without_a_driver_exits_2_before_installing(tmp_path):
+    for path in ["scripts/setup.sh", "scripts/gpu_pins.sh", "requirements/gpu.txt"]:
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        shutil.copy(REPO / path, tmp_path / path)
+    # A python3 that records being called: nothing may be installed when the check fails.
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\ntouch {tmp_path}/python_ran\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "scripts/setup.sh", "--gpu"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == "setup.sh --gpu: no NVIDIA driver here (nvidia-smi failed)\n"
+    assert not (tmp_path / "python_ran").exists() and not (tmp_path / ".venv").exists()
