@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Packs the CUDA build of fbgemm-gpu 1.6.0 (cp312, CUDA 13, 465 MB wheel / 2.4 GB unpacked) for
+# Packs the CUDA build of fbgemm-gpu at requirements/gpu.txt's version (cp312, CUDA 13, 465 MB wheel / 2.4 GB unpacked) for
 # the H200 GPU machine (sm_90) into xz tar parts of at most 50 MB each:
 #     .gpu/fbgemm_gpu_slim.tar.xz.part00, part01, ...   (.gpu/ is git-ignored; never commit them)
 # Install on the GPU machine: scripts/gpu_install.sh, which unpacks them into /tmp/site once every
-# part has arrived (/tmp/site/fbgemm_gpu/, list_versions/ and fbgemm_gpu-1.6.0.dist-info/, the layout
-# `pip install --target /tmp/site` makes). H200, 2026-12-03: it imported under torch 2.11, and torchrec's
+# part has arrived (/tmp/site/fbgemm_gpu/, list_versions/ and fbgemm_gpu-VERSION.dist-info/, the layout
+# `pip install --target /tmp/site` makes). H200, 2026-12-03: 1.6.0 imported under torch 2.11, and torchrec's
 # sharded tables ran their fused TBE forward and backward kernels (benchmarks/results/README.md).
 #
 # How it gets small: the wheel's 14 CUDA libraries carry SASS for sm_80, sm_90a and sm_100a
@@ -16,7 +16,8 @@
 #     bash scripts/pack_fbgemm_gpu_slim.sh [WHEEL]   # takes ~8 min on 2 cores, needs ~3 GB in $TMPDIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
-wheel=${1:-/tmp/fbg/fbgemm_gpu-1.6.0-cp312-cp312-manylinux_2_28_x86_64.whl}
+source scripts/gpu_pins.sh
+wheel=${1:-/tmp/fbg/fbgemm_gpu-$(pin fbgemm-gpu)-cp312-cp312-manylinux_2_28_x86_64.whl}
 sm=90                    # H100/H200; its SASS is tagged sm_90a in this wheel (arch field 90)
 part_bytes=50000000      # 50 MB (decimal), below the ~55 MB a single upload may carry
 out=.gpu/fbgemm_gpu_slim.tar.xz.part
