@@ -75,6 +75,8 @@ def test_identical_backends_write_every_file_and_pass(tiny):
     assert all(report["step_time_ms"][label] > 0 for label in report["backends"])
     assert report["timed_steps"] == {"reference": 24, "reference_2": 24}  # 12 steps after warmup x 2 seeds
     assert report["speedup_vs_fa2"]["reference"] == 1.0
+    assert all(report["step_time_p10_ms"][label] <= report["step_time_ms"][label] for label in report["backends"])
+    assert report["mfu"] == {"reference": None, "reference_2": None}  # no peak FLOP/s known on a CPU
     assert report["speedup_baseline"] == "reference" and "fa2 is not in this comparison" in report["speedup_note"]
 
     parity = report["parity"]
@@ -204,6 +206,24 @@ def test_verdict_fails_when_a_run_is_missing_and_notes_a_single_seed():
 
 def test_warmup_rule():
     assert [compare_verdict.warmup_steps(n) for n in (2000, 1000, 100, 24, 1)] == [200, 100, 20, 12, 0]
+
+
+def test_step_time_reports_p10_and_mfu_of_the_timed_steps():
+    """compare.json's step_time_p10_ms and mfu per backend: over the steps after warmup, pooled over seeds;
+    mfu is None when train.py knew no peak (no train/mfu column, as on a CPU)."""
+    def run_of(seed: int, step_ms: list[float], mfu: list[float]) -> compare_report.Run:
+        train = pd.DataFrame({"loss": 1.0, "step_ms": step_ms, "samples_per_s": 1.0, "tokens_per_s": 1.0, "mfu": mfu})
+        return compare_report.Run("tlx", "tlx", seed, "ok", 0, 1.0, None, None, [], train, None)
+
+    # Steps 0-1 are warmup (a 1000 ms compile step); 10 timed steps per seed: 1..10 ms and 11..20 ms.
+    runs = [run_of(seed, [1000.0, 1000.0, *(10.0 * seed + np.arange(1, 11))], [0.0, 0.0, *np.full(10, 0.1 + seed / 10)])
+            for seed in (0, 1)]
+    timing = compare_report._step_time(runs, warmup=2)
+    assert timing["p10_ms"] == pytest.approx(np.percentile(np.arange(1, 21), 10))  # 2.9, not the warmup's
+    assert timing["median_ms"] == pytest.approx(10.5) and timing["mfu"] == pytest.approx(0.15)
+    for run_ in runs:
+        run_.train["mfu"] = np.nan
+    assert compare_report._step_time(runs, warmup=2)["mfu"] is None
 
 
 def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(tmp_path):
