@@ -328,6 +328,83 @@ class StepMetrics(Callback):
             logger.save()
 
 
+def padded_token_counts(datamodule: CTRDataModule, config: RankingModelConfig, epochs: range) -> list[int]:
+    """The padded token counts (RankingModelConfig.pad_tokens_to) of the full-size training batches
+    of these epochs: the sizes CUDA graphs are recorded for."""
+    fixed_tokens = config.n_dense_tokens + len(datamodule.schema.categorical)
+    counts = set()
+    for epoch in epochs:
+        samples, items = datamodule.train_batch_history_items(epoch)
+        tokens = samples * fixed_tokens + items
+        full = tokens[samples == datamodule.batch_size]
+        counts.update((-(-full // config.pad_tokens_to) * config.pad_tokens_to).tolist())
+    return sorted(counts)
+
+
+class CudaGraphWarmup(Callback):
+    """Records the compiled tower's CUDA graphs (compile_mode reduce-overhead) for every padded token
+    count the run's training batches will have, before the first step: a new count otherwise records
+    mid-run, an 85-99 ms step on the H200 (issue 21). Each count runs the tower forward and backward
+    on zero inputs of its shape (from one validation batch's embeddings: the same dtypes and
+    requires_grad, so the same graph), a few times, as cudagraph trees warm up then record. Training
+    is unchanged: no optimizer step, every gradient put back as it was, the RNG state restored.
+    A no-op without compile, reduce-overhead, padding or a single CUDA device (plain strategy)."""
+
+    RUNS_PER_SIZE = 3  # cudagraph trees: a warm-up run, the recording, then a replay
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        config = pl_module.model.config
+        if not (config.compile and "reduce-overhead" in config.compile_mode and config.pad_tokens_to
+                and pl_module.device.type == "cuda" and isinstance(trainer.datamodule, CTRDataModule)
+                and not isinstance(trainer.strategy, sharding.TorchrecStrategy)):
+            return
+        datamodule = trainer.datamodule
+        epoch = trainer.current_epoch
+        last_epoch = trainer.max_epochs - 1 if trainer.max_epochs not in (None, -1) else epoch
+        if trainer.max_steps > 0:  # the epochs the remaining steps reach, at most
+            batches_per_epoch = max(len(datamodule.train_batch_history_items(epoch)[0]), 1)
+            last_epoch = epoch + (trainer.max_steps - trainer.global_step - 1) // batches_per_epoch
+            if trainer.max_epochs not in (None, -1):
+                last_epoch = min(last_epoch, trainer.max_epochs - 1)
+        counts = padded_token_counts(datamodule, config, range(epoch, last_epoch + 1))
+        batch = trainer.strategy.batch_to_device(next(iter(datamodule.val_dataloader())))
+        started = time.perf_counter()
+        with trainer.precision_plugin.forward_context():
+            warm_up_tower(pl_module, batch, counts, self.RUNS_PER_SIZE)
+        print(f"CUDA graphs recorded for {len(counts)} padded token counts {counts} in "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+
+def warm_up_tower(task: RankingTask, batch: Batch, token_counts: list[int], runs: int) -> None:
+    """Runs the model's tower forward and backward `runs` times at each padded token count, on zero
+    history rows and `batch`'s other embeddings; leaves every gradient and the RNG state as they were."""
+    model = task.model
+    template = model.embed(batch)
+    dense = template.dense
+    categorical = template.categorical.detach().requires_grad_(template.categorical.requires_grad)
+    fixed = model.tower.num_fixed_tokens
+    batch_size, num_sequence = dense.shape[0], template.history_lengths.shape[0]
+    # Set aside, not cloned: backward would accumulate into an existing gradient in place.
+    grads = {parameter: parameter.grad for parameter in model.parameters()}
+    for parameter in grads:
+        parameter.grad = None
+    devices = [dense.device] if dense.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        for count in token_counts:
+            rows = count - batch_size * fixed
+            history = template.history.new_zeros(rows, template.history.shape[1])
+            history.requires_grad_(template.history.requires_grad)
+            per_sample = rows // max(num_sequence * batch_size, 1)
+            lengths = torch.full_like(template.history_lengths, per_sample)
+            for _ in range(runs):
+                if model.config.compile and "reduce-overhead" in model.config.compile_mode:
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits = model.tower(dense, categorical, history, lengths)
+                model.loss(logits, batch.labels).backward()
+    for parameter, grad in grads.items():
+        parameter.grad = grad
+
+
 def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int) -> None:
     """Lets a resumed run append to its folder's metrics.csv: keeps the rows of the steps before the
     checkpoint (a validation is logged at the index of the step it follows) and drops what a killed
@@ -405,6 +482,7 @@ class RankingCLI(LightningCLI):
             ModelCheckpoint(monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}",
                             auto_insert_metric_name=False),
             ModelCheckpoint(filename="last"),  # overwritten at every validation
+            CudaGraphWarmup(),
             StepMetrics(config.model.peak_flops),
             *(self._get(self.config_init, "trainer", default={}).get("callbacks") or []),  # the config's own
         ]
