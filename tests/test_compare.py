@@ -246,6 +246,17 @@ def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(
     assert "- variant reference_sharded: reference with configs/sharded.yaml" in (out / "compare.md").read_text()
 
 
+def test_variant_key_value_overrides_follow_the_passthrough_keys():
+    """A --variant item KEY=VALUE (the unfused tower next to the fused one, say) reaches its runs as
+    --KEY=VALUE after the comparison's extra arguments, so the variant's value wins; files stay --config."""
+    args = run.train_args(["configs/gpu.yaml", "configs/sharded.yaml", "model.net.num_layers=1"],
+                          ["--model.net.num_layers=2"], "tlx", 1, 10, Path("/o"), "tlx_one_layer")
+    assert args[:6] == ["--config", "configs/gpu.yaml", "--config", "configs/sharded.yaml", "--model.net.num_layers=2",
+                        "--model.net.num_layers=1"]
+    assert args[6:] == ["--attn=tlx", "--seed_everything=1", "--runs_dir=/o/runs", "--run_name=tlx_one_layer-seed1",
+                        "--trainer.max_steps=10"]
+
+
 # ------------------------------------------------------------------------------------- bad input
 
 
@@ -263,6 +274,8 @@ def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(
          "--variant label 'reference' must be new"),
         (["--attn", "reference", "reference", "--variant", "x", "bogus", "configs/tiny.yaml"], "backend 'bogus'"),
         (["--attn", "reference", "reference", "--variant", "x", "reference", "configs/missing.yaml"], "missing.yaml"),
+        (["--attn", "reference", "reference", "--variant", "x", "reference", "seed_everything=3"],
+         "--variant x: seed_everything=3: the comparison sets it itself"),
     ],
 )
 def test_bad_arguments_give_a_clear_error_before_anything_runs(argv, message, tmp_path, capsys):
