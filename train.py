@@ -13,6 +13,7 @@ Each run writes runs/<run_name>/version_N/: config.yaml (the resolved config), m
 TensorBoard events and checkpoints/. A resumed run continues in its checkpoint's folder.
 """
 
+import contextlib
 import csv
 import json
 import math
@@ -37,7 +38,7 @@ import kernels
 import models.sharding as sharding  # also registers the "torchrec" strategy
 from data.baseline import logistic_regression_auc
 from data.batch import Batch
-from data.datamodule import CTRDataModule
+from data.datamodule import ArrowRows, CTRDataModule
 from data.schema import FeatureSchema
 from models import RankingModel, RankingModelConfig
 from models.flops import peak_flops, sample_token_counts, train_step_flops
@@ -266,11 +267,11 @@ class StepMetrics(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch: Batch, batch_idx: int) -> None:
         record = self.pending[-1]
         steps = pl_module.trained_steps(outputs, batch)
+        # Queued before the end event, so every loss is on the host once that event has finished.
+        losses = [step["loss"].detach().to("cpu", non_blocking=True) for step in steps]
         record.update(end=self._mark(pl_module.device), steps=[])
-        for step in steps:
+        for step, loss in zip(steps, losses):
             tokens, flops = pl_module.step_flops(step["batch"])
-            # Queued before the end event, so the loss is on the host once that event has finished.
-            loss = step["loss"].detach().to("cpu", non_blocking=True)
             record["steps"].append(dict(loss=loss, lr=step.get("lr", record["lr"]),
                                         samples=step["batch"].batch_size, tokens=tokens, flops=flops))
         if trainer.global_step % trainer.log_every_n_steps < len(steps):  # passed a multiple this step
@@ -345,7 +346,7 @@ class CudaGraphWarmup(Callback):
     """Records the compiled tower's CUDA graphs (compile_mode reduce-overhead) for every padded token
     count the run's training batches will have, before the first step: a new count otherwise records
     mid-run, an 85-99 ms step on the H200 (issue 21). Each count runs the tower forward and backward
-    on zero inputs of its shape (from one validation batch's embeddings: the same dtypes and
+    on zero inputs of its shape (from the first training rows' embeddings: the same dtypes and
     requires_grad, so the same graph), a few times, as cudagraph trees warm up then record. Training
     is unchanged: no optimizer step, every gradient put back as it was, the RNG state restored.
     A no-op without compile, reduce-overhead, padding or a single CUDA device (plain strategy)."""
@@ -354,32 +355,42 @@ class CudaGraphWarmup(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         config = pl_module.model.config
-        if not (config.compile and "reduce-overhead" in config.compile_mode and config.pad_tokens_to
+        if (config.compile and "reduce-overhead" in config.compile_mode and config.pad_tokens_to
                 and pl_module.device.type == "cuda" and isinstance(trainer.datamodule, CTRDataModule)
                 and not isinstance(trainer.strategy, sharding.TorchrecStrategy)):
-            return
-        datamodule = trainer.datamodule
+            self.warm_up(trainer, pl_module)
+
+    def warm_up(self, trainer, pl_module) -> list[int]:
+        """Records the graphs of the remaining epochs' padded token counts; returns those counts."""
+        config, datamodule = pl_module.model.config, trainer.datamodule
         epoch = trainer.current_epoch
         last_epoch = trainer.max_epochs - 1 if trainer.max_epochs not in (None, -1) else epoch
-        if trainer.max_steps > 0:  # the epochs the remaining steps reach, at most
+        if trainer.max_steps > 0:  # the epoch of the last step, at most (every epoch has as many batches)
             batches_per_epoch = max(len(datamodule.train_batch_history_items(epoch)[0]), 1)
-            last_epoch = epoch + (trainer.max_steps - trainer.global_step - 1) // batches_per_epoch
+            last_epoch = max((trainer.max_steps - 1) // batches_per_epoch, epoch)
             if trainer.max_epochs not in (None, -1):
                 last_epoch = min(last_epoch, trainer.max_epochs - 1)
         counts = padded_token_counts(datamodule, config, range(epoch, last_epoch + 1))
-        batch = trainer.strategy.batch_to_device(next(iter(datamodule.val_dataloader())))
+        if not counts:
+            return counts
+        # Collated here, not fetched from a loader: no sampler moves, no batch counts as trained.
+        rows = ArrowRows(datamodule.splits["train"]).__getitems__(list(range(datamodule.batch_size)))
+        batch = datamodule.collate(rows).to(pl_module.device)
         started = time.perf_counter()
-        with trainer.precision_plugin.forward_context():
-            warm_up_tower(pl_module, batch, counts, self.RUNS_PER_SIZE)
+        warm_up_tower(pl_module, batch, counts, self.RUNS_PER_SIZE, trainer.precision_plugin.forward_context)
         print(f"CUDA graphs recorded for {len(counts)} padded token counts {counts} in "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        return counts
 
 
-def warm_up_tower(task: RankingTask, batch: Batch, token_counts: list[int], runs: int) -> None:
-    """Runs the model's tower forward and backward `runs` times at each padded token count, on zero
-    history rows and `batch`'s other embeddings; leaves every gradient and the RNG state as they were."""
+def warm_up_tower(task: RankingTask, batch: Batch, token_counts: list[int], runs: int,
+                  forward_context=contextlib.nullcontext) -> None:
+    """Runs the model's tower forward (in `forward_context`, Lightning's autocast) and backward `runs`
+    times at each padded token count, on zero history rows and `batch`'s other embeddings; leaves every
+    gradient and the RNG state as they were."""
     model = task.model
-    template = model.embed(batch)
+    with forward_context():
+        template = model.embed(batch)
     dense = template.dense
     categorical = template.categorical.detach().requires_grad_(template.categorical.requires_grad)
     fixed = model.tower.num_fixed_tokens
@@ -399,8 +410,9 @@ def warm_up_tower(task: RankingTask, batch: Batch, token_counts: list[int], runs
             for _ in range(runs):
                 if model.config.compile and "reduce-overhead" in model.config.compile_mode:
                     torch.compiler.cudagraph_mark_step_begin()
-                logits = model.tower(dense, categorical, history, lengths)
-                model.loss(logits, batch.labels).backward()
+                with forward_context():
+                    loss = model.loss(model.tower(dense, categorical, history, lengths), batch.labels)
+                loss.backward()
     for parameter, grad in grads.items():
         parameter.grad = grad
 

@@ -1,5 +1,6 @@
 """train.py end to end, run as `python train.py ...` in a subprocess exactly as a user would."""
 
+import contextlib
 import csv
 import os
 import signal
@@ -353,3 +354,30 @@ def test_tower_warm_up_runs_every_size_and_leaves_training_as_it_was(tmp_path):
     assert parameters["tower.embedding_proj.weight"].grad is kept_grad and bool((kept_grad == 0.5).all())
     assert all(p.grad is None for name, p in parameters.items() if name != "tower.embedding_proj.weight")
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_cuda_graph_warm_up_covers_the_epochs_the_run_reaches_and_moves_no_sampler(tmp_path):
+    """CudaGraphWarmup.warm_up (what on_train_start runs on a CUDA device under reduce-overhead), on the
+    CPU: the counts it warms are those of the epochs the remaining steps reach, the tower ran at each,
+    and the data module's training sampler was neither made nor moved."""
+    data, net = tiny_data_and_config(tmp_path, pad_tokens_to=8)  # fine enough that the two epochs differ
+    task = train.RankingTask(data.schema.to_dict(), net)
+    seen = []
+    task.model.tower.register_forward_pre_hook(lambda module, args: seen.append(args[2].shape[0]) and None)
+    contexts = []
+    precision = SimpleNamespace(forward_context=lambda: contexts.append(1) or contextlib.nullcontext())
+    trainer = SimpleNamespace(datamodule=data, current_epoch=0, max_epochs=-1, max_steps=8,
+                              precision_plugin=precision)  # 6 batches an epoch: steps 6 and 7 are epoch 1's
+    counts = train.CudaGraphWarmup().warm_up(trainer, task)
+    assert counts == train.padded_token_counts(data, net, range(2)) != train.padded_token_counts(data, net, range(1))
+    fixed_rows = data.batch_size * task.model.tower.num_fixed_tokens
+    assert seen == [c - fixed_rows for c in counts for _ in range(train.CudaGraphWarmup.RUNS_PER_SIZE)]
+    assert len(contexts) == 1 + len(seen)  # the embedding lookups and every forward under Lightning's autocast
+    assert data.train_sampler is None
+    trainer.max_steps = 6
+    assert train.CudaGraphWarmup().warm_up(trainer, task) == train.padded_token_counts(data, net, range(1))
+    trainer.max_steps, trainer.max_epochs = 8, 1  # max_epochs caps it
+    assert train.CudaGraphWarmup().warm_up(trainer, task) == train.padded_token_counts(data, net, range(1))
+    trainer.current_epoch = 1  # resumed in epoch 1 (max_epochs 2): that epoch's counts alone
+    trainer.max_epochs = 2
+    assert train.CudaGraphWarmup().warm_up(trainer, task) == train.padded_token_counts(data, net, range(1, 2))
