@@ -48,6 +48,7 @@ from kernels import (
     rotary_tables,
 )
 from kernels.backend import launch_json
+from kernels.flex import FLEX_TILE, flex_block_attention, flex_block_mask
 from kernels.testing import parity
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
@@ -64,9 +65,8 @@ JAGGED_MIN_FRACTION = 0.4  # jagged lengths are uniform in [0.4 * max_len, max_l
 CHECK_SEQUENCES = 4
 CHECK_TOLERANCE = 3e-2  # max abs error; bf16 rounding stays well below, a wrong mask or layout errs by ~0.1+
 SEPARATE_ROTARY = "+separate_rotary"
-# FlexAttention's sparse tile. 128 is its default, which its default kernel configs accept; 64
-# (`--flex-tile 64`) matches our blocks and asks for 64x64 kernel tiles, which inductor may reject.
-FLEX_TILE = 128
+# FlexAttention's sparse tile: kernels/flex.py's (128, which inductor's default kernel configs accept);
+# `--flex-tile 64` matches our blocks and asks for 64x64 kernel tiles, which inductor may reject.
 
 SHAPES = {
     "full": ("1024x512x4x128", "2048x256x4x64", "512x1024x8x64"),
@@ -238,74 +238,14 @@ def fa2(inputs: Inputs) -> Callable:
     return folded_sdpa("FLASH_ATTENTION")(inputs)
 
 
-def flex_block_mask(offsets: torch.Tensor, tokens: int, full_blocks: bool):
-    """A FlexAttention BlockMask for the 64-token block-diagonal pattern of `offsets`.
-
-    Built from the block table rather than by create_block_mask, which evaluates mask_mod at all
-    T² token pairs (1e13 at the largest jagged shape). With full blocks the mask_mod is pure index
-    arithmetic; jagged batches compare the block id of each token, document-mask style.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    device = offsets.device
-    table = block_table(offsets, tokens)
-    block_start, block_len = table.block_start.long(), table.block_len.long()
-    block_of_token = table.block_of_token()
-    if full_blocks:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return q_idx // BLOCK_SIZE == kv_idx // BLOCK_SIZE
-
-    else:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return block_of_token[q_idx] == block_of_token[kv_idx]
-
-    tiles = -(-tokens // FLEX_TILE)
-    if full_blocks and FLEX_TILE == BLOCK_SIZE:
-        # Every 64-token block is exactly one tile that attends to itself unmasked: a "full" kv
-        # tile, so the kernel skips mask_mod entirely, the best case FlexAttention has.
-        # from_kv_blocks takes [tiles, tiles] index tables (it transposes them densely); a row's
-        # entries past its count are never read.
-        none = torch.zeros(tiles, device=device, dtype=torch.int32)
-        diagonal = (torch.arange(tiles, device=device, dtype=torch.int32)[:, None] + torch.arange(tiles, device=device, dtype=torch.int32)) % tiles
-        return BlockMask.from_kv_blocks(
-            none[None, None], diagonal[None, None], none[None, None] + 1, diagonal[None, None],
-            BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(tokens, tokens),
-        )
-    first = torch.arange(tiles, device=device) * FLEX_TILE
-    last = (first + FLEX_TILE - 1).clamp(max=tokens - 1)
-    # A query tile sees exactly the tokens of the blocks its queries are in: one contiguous range
-    # of kv tiles. Jagged blocks don't start on tile boundaries, so every listed tile is partial.
-    lo = block_start[block_of_token[first]] // FLEX_TILE
-    hi = (block_start[block_of_token[last]] + block_len[block_of_token[last]] - 1) // FLEX_TILE
-    kv_num_blocks = (hi - lo + 1).to(torch.int32)
-    kv_indices = (lo.to(torch.int32)[:, None] + torch.arange(tiles, device=device, dtype=torch.int32)).clamp_(max=tiles - 1)
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks[None, None], kv_indices[None, None],
-        BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(tokens, tokens),
-    )
-
-
-@functools.cache
-def compiled_flex_attention() -> Callable:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def flex(inputs: Inputs) -> Callable:
-    """Compiled FlexAttention on [1, H, T, D] views with the block-diagonal BlockMask."""
+    """Compiled FlexAttention with the block-diagonal BlockMask of kernels/flex.py (the flex backend's),
+    built once outside the timed call, at sparse tile FLEX_TILE."""
     _require_cuda(inputs, "FlexAttention's backward")
-    block_mask = flex_block_mask(inputs.offsets, inputs.tokens, full_blocks=not inputs.shape.jagged)
-    flex_attention = compiled_flex_attention()
-    kernel_options = {"BLOCK_M": FLEX_TILE, "BLOCK_N": FLEX_TILE} if FLEX_TILE < 128 else None
-
-    def heads_first(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(0, 1).unsqueeze(0)
+    block_mask = flex_block_mask(inputs.table, FLEX_TILE)
 
     def attend(q, k, v):
-        return flex_attention(heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask, kernel_options=kernel_options)[0].transpose(0, 1)
+        return flex_block_attention(q, k, v, block_mask)
 
     return attend
 

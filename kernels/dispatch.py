@@ -22,6 +22,7 @@ class BackendUnavailableError(RuntimeError):
 BACKEND_MODULES = {
     "reference": "kernels.reference",
     "fa2": "kernels.fa2",
+    "flex": "kernels.flex",  # a peer, as fa2 is: never picked by `auto`
     "triton": "kernels.triton_block_attention",
     "tlx": "kernels.tlx_block_attention",
 }

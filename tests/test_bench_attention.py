@@ -108,40 +108,6 @@ def test_rotary_fusion_pairs_separate_with_fused_and_plain():
     assert entry["rotary_cost_ratio"] == pytest.approx(1.0 / 0.2)
 
 
-@pytest.mark.parametrize(
-    "lengths, full_blocks",
-    [([70, 0, 200, 64, 1, 130, 300], False), ([128, 256, 64], True), ([5], False), ([64] * 9, True)],
-)
-def test_flex_block_mask_equals_create_block_mask(lengths, full_blocks):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    offsets = offsets_from_lengths(lengths)
-    tokens = int(offsets[-1])
-    block_mask = bench.flex_block_mask(offsets, tokens, full_blocks)
-    expected = create_block_mask(block_mask.mask_mod, None, None, tokens, tokens, device="cpu", BLOCK_SIZE=bench.FLEX_TILE)
-    assert torch.equal(block_mask.to_dense(), expected.to_dense())
-    # The mask_mod itself: two tokens interact iff they share a 64-token block of one sequence.
-    token = torch.arange(tokens)
-    seq = torch.searchsorted(offsets.long(), token, right=True) - 1
-    block = seq * 10**6 + (token - offsets.long()[seq]) // 64
-    assert torch.equal(block_mask.mask_mod(0, 0, token[:, None], token[None, :]), block[:, None] == block[None, :])
-
-
-def test_flex_block_mask_gives_block_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    lengths = [70, 0, 200, 64, 1, 130]
-    offsets = offsets_from_lengths(lengths)
-    tokens = int(offsets[-1])
-    q, k, v = (torch.randn(tokens, 2, 16) for _ in range(3))
-    block_mask = bench.flex_block_mask(offsets, tokens, full_blocks=False)
-    heads_first = [x.transpose(0, 1)[None] for x in (q, k, v)]
-    with warnings.catch_warnings():  # eager flex on CPU (the unfused math path) warns that it is slow
-        warnings.simplefilter("ignore")
-        out = flex_attention(*heads_first, block_mask=block_mask)[0].transpose(0, 1)
-    torch.testing.assert_close(out, block_attention_reference(q, k, v, offsets), atol=1e-5, rtol=1e-5)
-
-
 def report_with(rows):
     return {
         "device": "cpu (test)", "versions": {"torch": "x"}, "date": "2026-01-01T00:00:00+00:00",

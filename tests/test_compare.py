@@ -75,6 +75,8 @@ def test_identical_backends_write_every_file_and_pass(tiny):
     assert all(report["step_time_ms"][label] > 0 for label in report["backends"])
     assert report["timed_steps"] == {"reference": 24, "reference_2": 24}  # 12 steps after warmup x 2 seeds
     assert report["speedup_vs_fa2"]["reference"] == 1.0
+    assert all(report["step_time_p10_ms"][label] <= report["step_time_ms"][label] for label in report["backends"])
+    assert report["mfu"] == {"reference": None, "reference_2": None}  # no peak FLOP/s known on a CPU
     assert report["speedup_baseline"] == "reference" and "fa2 is not in this comparison" in report["speedup_note"]
 
     parity = report["parity"]
@@ -206,6 +208,24 @@ def test_warmup_rule():
     assert [compare_verdict.warmup_steps(n) for n in (2000, 1000, 100, 24, 1)] == [200, 100, 20, 12, 0]
 
 
+def test_step_time_reports_p10_and_mfu_of_the_timed_steps():
+    """compare.json's step_time_p10_ms and mfu per backend: over the steps after warmup, pooled over seeds;
+    mfu is None when train.py knew no peak (no train/mfu column, as on a CPU)."""
+    def run_of(seed: int, step_ms: list[float], mfu: list[float]) -> compare_report.Run:
+        train = pd.DataFrame({"loss": 1.0, "step_ms": step_ms, "samples_per_s": 1.0, "tokens_per_s": 1.0, "mfu": mfu})
+        return compare_report.Run("tlx", "tlx", seed, "ok", 0, 1.0, None, None, [], train, None)
+
+    # Steps 0-1 are warmup (a 1000 ms compile step); 10 timed steps per seed: 1..10 ms and 11..20 ms.
+    runs = [run_of(seed, [1000.0, 1000.0, *(10.0 * seed + np.arange(1, 11))], [0.0, 0.0, *np.full(10, 0.1 + seed / 10)])
+            for seed in (0, 1)]
+    timing = compare_report._step_time(runs, warmup=2)
+    assert timing["p10_ms"] == pytest.approx(np.percentile(np.arange(1, 21), 10))  # 2.9, not the warmup's
+    assert timing["median_ms"] == pytest.approx(10.5) and timing["mfu"] == pytest.approx(0.15)
+    for run_ in runs:
+        run_.train["mfu"] = np.nan
+    assert compare_report._step_time(runs, warmup=2)["mfu"] is None
+
+
 def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(tmp_path):
     """--variant: the torchrec-sharded path (one gloo process) next to the plain one, as on the H200."""
     out = tmp_path / "out"
@@ -226,6 +246,17 @@ def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(
     assert "- variant reference_sharded: reference with configs/sharded.yaml" in (out / "compare.md").read_text()
 
 
+def test_variant_key_value_overrides_follow_the_passthrough_keys():
+    """A --variant item KEY=VALUE (the unfused tower next to the fused one, say) reaches its runs as
+    --KEY=VALUE after the comparison's extra arguments, so the variant's value wins; files stay --config."""
+    args = run.train_args(["configs/gpu.yaml", "configs/sharded.yaml", "model.net.num_layers=1"],
+                          ["--model.net.num_layers=2"], "tlx", 1, 10, Path("/o"), "tlx_one_layer")
+    assert args[:6] == ["--config", "configs/gpu.yaml", "--config", "configs/sharded.yaml", "--model.net.num_layers=2",
+                        "--model.net.num_layers=1"]
+    assert args[6:] == ["--attn=tlx", "--seed_everything=1", "--runs_dir=/o/runs", "--run_name=tlx_one_layer-seed1",
+                        "--trainer.max_steps=10"]
+
+
 # ------------------------------------------------------------------------------------- bad input
 
 
@@ -243,6 +274,8 @@ def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(
          "--variant label 'reference' must be new"),
         (["--attn", "reference", "reference", "--variant", "x", "bogus", "configs/tiny.yaml"], "backend 'bogus'"),
         (["--attn", "reference", "reference", "--variant", "x", "reference", "configs/missing.yaml"], "missing.yaml"),
+        (["--attn", "reference", "reference", "--variant", "x", "reference", "seed_everything=3"],
+         "--variant x: seed_everything=3: the comparison sets it itself"),
     ],
 )
 def test_bad_arguments_give_a_clear_error_before_anything_runs(argv, message, tmp_path, capsys):

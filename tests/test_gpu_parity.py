@@ -10,7 +10,10 @@ log holds the numbers, not only PASS/FAIL.
 import pytest
 import torch
 
-from kernels import AUTO_ORDER, Rotary, available_backends, block_attention, block_table, get_backend, rotary_tables
+from kernels import (
+    AUTO_ORDER, Rotary, available_backends, backend_unavailable_reason, block_attention, block_table, get_backend,
+    rotary_tables,
+)
 from kernels.mlp_dispatch import MLP_AUTO_ORDER, get_mlp_backend
 from kernels.testing import EDGE_LENGTHS, mlp_parity, parity
 
@@ -19,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-KERNEL_BACKENDS = [name for name in AUTO_ORDER if name != "reference"]
+KERNEL_BACKENDS = [*(name for name in AUTO_ORDER if name != "reference"), "flex"]  # flex: a peer `auto` never picks
 ROTARY = {"none": None, "qk": Rotary(), "qkv": Rotary(rotate_v=True)}
 _random = torch.Generator().manual_seed(1234)
 # The edge lengths, then 40 random ones: several hundred blocks, so many programs take part.
@@ -29,7 +32,7 @@ MANY_ITEMS = (4096 + 17, 3000, 1) * 12
 
 
 def _runnable(backend: str, head_dim: int, dtype: torch.dtype) -> None:
-    if backend not in available_backends("cuda"):
+    if backend_unavailable_reason(backend, "cuda") is not None:
         pytest.skip(f"{backend} is not available on this machine")
     reason = get_backend(backend).unsupported_reason(torch.empty(1, 1, head_dim, dtype=dtype, device="cuda"))
     if reason is not None:
@@ -86,6 +89,8 @@ def test_compiled_layer_matches_eager(backend):
 def test_custom_ops_pass_opcheck_on_gpu(backend):
     _runnable(backend, 64, torch.bfloat16)
     ops = get_backend(backend).ops
+    if ops is None:
+        pytest.skip(f"{backend} is plain PyTorch ops, no custom op of ours")
     offsets = torch.tensor([0, 3, 73, 273], dtype=torch.int32, device="cuda")
     table = block_table(offsets, 273)
     cos, sin = (rotary_tables(Rotary(), offsets, 273, 64) if get_backend(backend).fuses_rotary else (None, None))

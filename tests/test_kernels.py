@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from kernels import (
+    BACKENDS,
     BackendUnavailableError,
     Rotary,
     apply_rotary,
     available_backends,
+    backend_unavailable_reason,
     block_attention,
     block_attention_reference,
     block_table,
@@ -188,7 +190,7 @@ def test_bad_tensors_name_the_problem():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without a GPU")
-@pytest.mark.parametrize("backend", ["fa2", "tlx"])
+@pytest.mark.parametrize("backend", ["fa2", "flex", "tlx"])
 def test_gpu_backend_on_cpu_raises_actionable_error(backend):
     q, k, v = _inputs()
     with pytest.raises(BackendUnavailableError) as error:
@@ -259,3 +261,56 @@ def test_reference_compiles_without_graph_breaks_whatever_the_lengths():
         q, k, v = random_qkv(sum(lengths), 2, 16)
         table = block_table(offsets, sum(lengths))
         torch.testing.assert_close(compiled(q, k, v, table), naive_block_attention(q, k, v, lengths))
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+@pytest.mark.parametrize("lengths", [[70, 0, 200, 64, 1, 130, 300], [128, 256, 64], [5], [64] * 9, [64, 5, 70]])
+def test_flex_block_mask_equals_create_block_mask(lengths, tile):
+    """kernels/flex.py's BlockMask, built from the block table, against create_block_mask's (which
+    evaluates the mask_mod at every token pair), and its mask_mod against the block definition."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from kernels.flex import flex_block_mask
+
+    offsets = offsets_from_lengths(lengths)
+    tokens = int(offsets[-1])
+    block_mask = flex_block_mask(block_table(offsets, tokens), tile)
+    expected = create_block_mask(block_mask.mask_mod, None, None, tokens, tokens, device="cpu", BLOCK_SIZE=tile)
+    assert torch.equal(block_mask.to_dense(), expected.to_dense())
+    # The q-side lists the backward walks: the pattern is symmetric.
+    transposed = create_block_mask(lambda b, h, q, kv: block_mask.mask_mod(b, h, kv, q), None, None, tokens, tokens,
+                                   device="cpu", BLOCK_SIZE=tile)
+    assert torch.equal(block_mask.to_dense(), transposed.to_dense())
+    if tile == 64 and lengths[0] == 64:  # a tile that is exactly one block skips the mask_mod
+        assert int(block_mask.full_kv_num_blocks[0, 0, 0]) == 1 and int(block_mask.kv_num_blocks[0, 0, 0]) == 0
+    # The mask_mod itself: two tokens interact iff they share a 64-token block of one sequence.
+    token = torch.arange(tokens)
+    seq = torch.searchsorted(offsets.long(), token, right=True) - 1
+    block = seq * 10**6 + (token - offsets.long()[seq]) // 64
+    assert torch.equal(block_mask.mask_mod(0, 0, token[:, None], token[None, :]), block[:, None] == block[None, :])
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+def test_flex_block_mask_gives_block_attention(tile):
+    """FlexAttention's eager CPU forward with the mask (it has no CPU backward, so the backend itself
+    is CUDA only): partial blocks, one-token sequences, blocks that straddle tiles, full tiles."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kernels.flex import flex_block_mask
+
+    lengths = [64, 64, 5, 70, 0, 130, 1, 200]
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = (x.detach() for x in random_qkv(sum(lengths), 2, 16, dtype=torch.float32, seed=tile))
+    block_mask = flex_block_mask(block_table(offsets, sum(lengths)), tile)
+    heads_first = [x.transpose(0, 1)[None] for x in (q, k, v)]
+    with warnings.catch_warnings():  # eager flex on CPU (the unfused math path) warns that it is slow
+        warnings.simplefilter("ignore")
+        out = flex_attention(*heads_first, block_mask=block_mask)[0].transpose(0, 1)
+    torch.testing.assert_close(out, block_attention_reference(q, k, v, offsets), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_is_a_peer_that_auto_never_picks():
+    from kernels.dispatch import AUTO_ORDER, AUTO_ORDER_SMALL_HEAD_DIM
+
+    assert "flex" in BACKENDS and "flex" not in AUTO_ORDER and "flex" not in AUTO_ORDER_SMALL_HEAD_DIM
+    assert "FlexAttention has no backward on cpu" in backend_unavailable_reason("flex", "cpu")

@@ -6,12 +6,15 @@
         --out /tmp/compare_cpu --trainer.val_check_interval=10      # CPU smoke: reference against itself
     python train.py compare --attn tlx fa2 --variant tlx_sharded tlx configs/sharded.yaml --config configs/gpu.yaml \
         --out runs/compare_y                               # also tlx with torchrec-sharded tables
+    python train.py compare --attn tlx fa2 flex --variant tlx_unfused tlx model.net.fused_mlp=false \
+        --config configs/gpu.yaml --out runs/compare_z     # also tlx with another key's value
     python -m benchmarks.compare report runs/compare_x     # re-render the report from the folder
 
 Every (backend, seed) pair is one `python train.py` subprocess with the same config, data and data
 order; seed s sets the model initialization of every backend alike, so the spread over seeds is
 the run-to-run noise that backend differences are judged against. A --variant adds a group of
-runs of one backend with more config files (sharded tables, say), judged against the same baseline.
+runs of one backend with more config files or KEY=VALUE keys (sharded tables, the unfused MLP), judged
+against the same baseline.
 Other `--key=value` arguments go to every run. A run that crashes is reported with its exit code and
 the end of its stderr; the other runs are kept. Rerunning the same command reuses the finished runs in --out and retries the
 rest; a different config in the same --out is refused.

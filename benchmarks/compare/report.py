@@ -62,7 +62,11 @@ def _read_metrics(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     if missing:
         raise CompareError(f"{path} has no column(s) {', '.join(missing)}; it was not written by this train.py")
     renamed = metrics.rename(columns={v: k for k, v in METRIC_COLUMNS.items()}).set_index("step")
-    train = renamed.loc[renamed["loss"].notna(), ["loss", "step_ms", "samples_per_s", "tokens_per_s"]]
+    if "train/mfu" not in metrics.columns:  # StepMetrics logs MFU only against a known peak (not on a CPU)
+        renamed["mfu"] = np.nan
+    else:
+        renamed = renamed.rename(columns={"train/mfu": "mfu"})
+    train = renamed.loc[renamed["loss"].notna(), ["loss", "step_ms", "samples_per_s", "tokens_per_s", "mfu"]]
     validation = renamed.loc[renamed["auc"].notna(), ["auc", "ne", "logloss", "calibration"]]
     return train, validation
 
@@ -151,11 +155,14 @@ def _step_time(runs: list[Run], warmup: int) -> dict:
     timed = [r.train[r.train.index >= warmup] for r in runs]
     pooled = pd.concat(timed) if timed else pd.DataFrame()
     if pooled.empty:
-        return {"median_ms": None, "p90_ms": None, "samples_per_s": None, "tokens_per_s": None, "timed_steps": 0,
-                "median_ms_per_seed": {}}
+        return {"median_ms": None, "p10_ms": None, "p90_ms": None, "samples_per_s": None, "tokens_per_s": None,
+                "mfu": None, "timed_steps": 0, "median_ms_per_seed": {}}
+    mfu = pooled["mfu"].median() if "mfu" in pooled else math.nan
     return {
         "median_ms": float(pooled["step_ms"].median()),
+        "p10_ms": float(np.percentile(pooled["step_ms"], 10)),
         "p90_ms": float(np.percentile(pooled["step_ms"], 90)),
+        "mfu": None if math.isnan(mfu) else float(mfu),  # the median step's, against train.py's peak
         "samples_per_s": float(pooled["samples_per_s"].median()),
         "tokens_per_s": float(pooled["tokens_per_s"].median()),
         "timed_steps": int(len(pooled)),
@@ -208,7 +215,9 @@ def build_report(comparison: Comparison) -> dict:
         "warmup_steps": warmup,
         "step_time_rule": STEP_TIME_RULE,
         "step_time_ms": {label: timing[label]["median_ms"] for label in labels},
+        "step_time_p10_ms": {label: timing[label]["p10_ms"] for label in labels},
         "step_time_p90_ms": {label: timing[label]["p90_ms"] for label in labels},
+        "mfu": {label: timing[label]["mfu"] for label in labels},
         "samples_per_s": {label: timing[label]["samples_per_s"] for label in labels},
         "tokens_per_s": {label: timing[label]["tokens_per_s"] for label in labels},
         "timed_steps": {label: timing[label]["timed_steps"] for label in labels},
@@ -245,7 +254,8 @@ def step_time_table(report: dict) -> pd.DataFrame:
     baseline = report["speedup_baseline"]
     return pd.DataFrame(
         [
-            {"backend": label, "median ms": report["step_time_ms"][label], "p90 ms": report["step_time_p90_ms"][label],
+            {"backend": label, "median ms": report["step_time_ms"][label], "p10 ms": report["step_time_p10_ms"][label],
+             "p90 ms": report["step_time_p90_ms"][label], "MFU": report["mfu"][label],
              "samples/s": report["samples_per_s"][label], "tokens/s": report["tokens_per_s"][label],
              f"speedup vs {baseline}": report["speedup_vs_fa2"][label], "timed steps": report["timed_steps"][label]}
             for label in report["backends"]

@@ -39,7 +39,7 @@ class Settings:
     config_files: list[str]
     passthrough: list[str]
     labels: dict[str, str]  # label -> backend; a backend named twice gets label <backend>_2
-    variant_configs: dict[str, list[str]]  # label -> config files its runs add (--variant), after config_files
+    variant_configs: dict[str, list[str]]  # label -> config files and KEY=VALUE its runs add (--variant)
     variant_resolved: dict[str, dict]  # label -> its comparable resolved config, when a variant
     seeds: list[int]
     steps: int
@@ -71,8 +71,11 @@ def train_args(
     config_files: list[str], passthrough: list[str], backend: str, seed: int, steps: int | None, out: Path, label: str
 ) -> list[str]:
     """train.py's arguments for one run (config_files: the comparison's, then the label's variant
-    files); the comparison's own keys come last so they win."""
-    args = [arg for path in config_files for arg in ("--config", path)] + list(passthrough)
+    files and KEY=VALUE overrides, which follow the passthrough keys so the variant's win); the
+    comparison's own keys come last so they win."""
+    overrides = [f"--{item}" for item in config_files if "=" in item]
+    args = [arg for path in config_files if "=" not in path for arg in ("--config", path)] + list(passthrough)
+    args += overrides
     args += [f"--attn={backend}", f"--seed_everything={seed}", f"--runs_dir={out / 'runs'}",
              f"--run_name={run_name(label, seed)}"]
     if steps is not None:
@@ -176,8 +179,9 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
     parser.add_argument("--config", action="append", default=[], help="train.py config file(s), as for train.py")
     parser.add_argument(
         "--variant", action="append", nargs="+", default=[], metavar="LABEL BACKEND CONFIG",
-        help="one more group of runs, named LABEL: BACKEND with these config files applied over --config's "
-        "(e.g. `--variant tlx_sharded tlx configs/sharded.yaml`), judged like a backend; repeatable",
+        help="one more group of runs, named LABEL: BACKEND with these config files and/or KEY=VALUE train.py "
+        "keys applied over --config's and the extra arguments (e.g. `--variant tlx_sharded tlx configs/sharded.yaml`, "
+        "`--variant tlx_unfused tlx model.net.fused_mlp=false`), judged like a backend; repeatable",
     )
     parser.add_argument("--steps", type=int, help="training steps per run (default: the config's trainer.max_steps)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every backend (default 3)")
@@ -205,6 +209,9 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
             parser.error(f"--variant label {label!r} must be new (not {', '.join(labels)}) and of letters, digits, '_', '.', '-'")
         if backend not in COMPARABLE_BACKENDS:
             parser.error(f"--variant {label}: backend {backend!r} is not one of {', '.join(COMPARABLE_BACKENDS)}")
+        reserved = [item for item in files if item.split("=", 1)[0].removeprefix("--") in RESERVED_ARGS]
+        if reserved:
+            parser.error(f"--variant {label}: {reserved[0]}: the comparison sets it itself")
         labels[label], variant_configs[label] = backend, files
     config = resolve_config(args.config, passthrough, args.attn[0], args.steps, out)
     variant_resolved = {
