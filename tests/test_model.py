@@ -238,3 +238,25 @@ def test_compiled_model_matches_eager_on_cpu(model):
         compiled_grads = torch.autograd.grad(compiled_loss, list(compiled.parameters()))
         for (name, _), a, b in zip(model.named_parameters(), compiled_grads, eager_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_same_batch_gives_bitwise_equal_gradients(model):
+    """Same-seed runs on one CPU must be bitwise equal: no backward may sum in a thread-dependent order
+    (an indexed read's backward accumulates with atomic adds across threads; this batch is large
+    enough for its rows to be split between two)."""
+    generator = torch.Generator().manual_seed(1)
+    batch = make_batch(torch.randint(20, 100, (256,), generator=generator).tolist(),
+                       torch.randint(0, 8, (256,), generator=generator).tolist())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gradients = []
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            logits, _ = model(batch)
+            model.loss(logits, batch.labels).backward()
+            gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    finally:
+        torch.set_num_threads(threads)
+    for repeat in gradients[1:]:
+        assert [name for name in repeat if not torch.equal(repeat[name], gradients[0][name])] == []
