@@ -23,12 +23,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_only
@@ -432,6 +433,17 @@ def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int) -> None:
     writer.metrics_keys = header
 
 
+class RankingArgumentParser(LightningArgumentParser):
+    """A config error is the error and a pointer to --help, not argparse's usage line of every key."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # jsonargparse trying an alternative: it handles the error itself
+            return super().error(message, ex)
+        message = " ".join(message.split())  # jsonargparse wraps some messages over several lines
+        print(f"error: {message} (python train.py --help lists every key)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 class RankingCLI(LightningCLI):
     """LightningCLI without subcommands: the config keys are run_name, runs_dir, attn, ckpt_path,
     dry_run, baseline, seed_everything, checkpoint (CheckpointConfig), model (RankingTask), data
@@ -442,7 +454,7 @@ class RankingCLI(LightningCLI):
         parser.add_argument("--run_name", type=str, default="default", help="runs go to <runs_dir>/<run_name>/version_N/")
         parser.add_argument("--runs_dir", type=str, default="runs")
         parser.add_argument(
-            "--attn", type=str | None, default=None, choices=[*kernels.BACKENDS, None],
+            "--attn", type=Literal[tuple(kernels.BACKENDS)] | None, default=None,
             help="shortcut for --model.net.attn_backend",
         )
         parser.add_argument("--ckpt_path", type=str | None, default=None,
@@ -527,8 +539,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli = RankingCLI(
             RankingTask, CTRDataModule, run=False, args=argv, seed_everything_default=0,
+            parser_class=RankingArgumentParser,
             auto_configure_optimizers=False, save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "parser_mode": "yaml"},
+            parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "parser_mode": "yaml",
+                           "description": __doc__.split("\n\n")[0]},
         )
     except (ValueError, MisconfigurationException) as error:  # a model/data/trainer setting rejected
         print(f"error: {error}", file=sys.stderr)
@@ -546,6 +560,13 @@ def main(argv: list[str] | None = None) -> None:
     if cli.config.dry_run:
         print(cli.parser.dump(cli.config, skip_none=False), end="")  # as SaveConfigCallback writes it
         return
+    if trainer.world_size == 1:  # several processes prepare the data in Lightning's order, inside fit
+        try:  # the data's errors name the file, row and value: no traceback to add to them
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+        except (ValueError, OSError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
     try:
         trainer.fit(task, datamodule=datamodule, ckpt_path=cli.config.ckpt_path, weights_only=True)
     except SIGTERMException:
