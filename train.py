@@ -5,6 +5,7 @@
     python train.py --attn=triton                      # shortcut for --model.net.attn_backend=triton
     python train.py --trainer.max_steps=50 --model.net.num_layers=1 --data.batch_size=128
     python train.py --ckpt_path runs/default/version_0/checkpoints/last.ckpt   # resume in that folder
+    python train.py --ckpt_path last                   # resume the newest last.ckpt of run_name
     python train.py --help                             # every key
     python train.py compare ...                        # train several backends and compare (benchmarks/compare)
 
@@ -574,6 +575,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(128 + signal.SIGTERM) from None
     if cli.config.baseline:
         report_baseline(trainer, datamodule, Path(trainer.loggers[0].log_dir))
+    if trainer.is_global_zero:
+        report_run(trainer)
+
+
+def report_run(trainer: L.Trainer) -> None:
+    """Where the run went: its folder, metrics, checkpoints and how to look at it."""
+    run_dir = Path(trainer.loggers[0].log_dir)
+    best, last = "", ""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, LastCheckpoint):
+            last = callback.best_model_path  # its single kept checkpoint
+        elif callback.monitor == "val/ne":
+            best = callback.best_model_path
+    print(f"run folder: {run_dir}\n  metrics: {run_dir / 'metrics.csv'}\n"
+          f"  best checkpoint (lowest val/ne): {best or 'none (no validation ran)'}\n"
+          f"  last checkpoint: {last or 'none'} (resume: --ckpt_path last)\n"
+          f"  tensorboard --logdir {run_dir.parent}")
 
 
 def report_baseline(trainer: L.Trainer, datamodule: CTRDataModule, run_dir: Path) -> None:

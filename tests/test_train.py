@@ -129,6 +129,7 @@ def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(
 
     resumed = run_train(*common, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"last checkpoint: {run_folder / 'checkpoints' / 'last.ckpt'}" in resumed.stdout  # the run's summary
     assert not (runs / "tiny" / "version_1").exists()  # continued in its own folder
     rows = read_metrics(run_folder)
     train_steps = [int(row["step"]) for row in rows if row["train/loss"]]
