@@ -5,6 +5,7 @@
     python train.py --attn=triton                      # shortcut for --model.net.attn_backend=triton
     python train.py --trainer.max_steps=50 --model.net.num_layers=1 --data.batch_size=128
     python train.py --ckpt_path runs/default/version_0/checkpoints/last.ckpt   # resume in that folder
+    python train.py --ckpt_path last                   # resume the newest last.ckpt of run_name
     python train.py --help                             # every key
     python train.py compare ...                        # train several backends and compare (benchmarks/compare)
 
@@ -17,20 +18,24 @@ import contextlib
 import csv
 import json
 import math
+import os
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_only
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 
@@ -68,6 +73,19 @@ class OptimConfig:
     fused: bool | None = None
 
 
+@dataclass
+class CheckpointConfig:
+    """When checkpoints/last.ckpt is refreshed, besides after every validation, at the end of every fit
+    and when SIGTERM stops the run: it bounds the work a kill -9 can lose.
+
+    Args:
+        every_n_steps: after every this many training steps; 0 = not on a step count.
+        every_minutes: after the first step this many minutes past the last save; 0 = not on a clock.
+            With several processes the clock is read every log_every_n_steps steps (rank 0's decides).
+    """
+
+    every_n_steps: int = 500
+    every_minutes: float = 5.0
 
 
 class RankingTask(L.LightningModule):
@@ -417,6 +435,81 @@ def warm_up_tower(task: RankingTask, batch: Batch, token_counts: list[int], runs
         parameter.grad = grad
 
 
+class LastCheckpoint(ModelCheckpoint):
+    """checkpoints/last.ckpt, the newest state of the run: after every validation (ModelCheckpoint's
+    default trigger), on CheckpointConfig's step count and clock, at the end of every fit, and when
+    SIGTERM (preemption, `timeout`, a scheduler) stops training. Each save is written beside the last
+    one, then renamed over it, so a kill mid-write leaves the previous checkpoint whole."""
+
+    def __init__(self, schedule: CheckpointConfig):
+        super().__init__(filename="last")
+        self.schedule = schedule
+        self.saved_at = time.monotonic()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.saved_at = time.monotonic()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        every_n_steps, every_minutes = self.schedule.every_n_steps, self.schedule.every_minutes
+        # The step that ends the fit saves here rather than in on_train_end: by then Lightning has closed
+        # the epoch, and a run resumed from that state would start a new one.
+        last_step = 0 < trainer.max_steps <= trainer.global_step
+        due = last_step or (every_n_steps > 0 and trainer.global_step % every_n_steps == 0)
+        if every_minutes > 0 and (trainer.world_size == 1 or trainer.global_step % trainer.log_every_n_steps == 0):
+            late = time.monotonic() - self.saved_at >= every_minutes * 60
+            due = due or (trainer.strategy.broadcast(late) if trainer.world_size > 1 else late)
+        if due and not self.validation_follows(trainer):
+            self.save_now(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:  # a fit that ended on max_epochs, max_time or a stop
+        self.save_now(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
+            return
+        if trainer.validating or self.validation_follows(trainer):
+            # A checkpoint before a validation would resume past it and skip it; one during it would
+            # lose the metrics it has gathered. The last one saved stays.
+            rank_zero_only(print)(f"SIGTERM before the step-{trainer.global_step} validation finished: "
+                                  f"{self.dirpath}/last.ckpt is from step {self._last_global_step_saved}",
+                                  file=sys.stderr)
+            return
+        self.save_now(trainer)
+
+    @staticmethod
+    def validation_follows(trainer) -> bool:
+        """Whether Lightning validates right after this training step. Lightning's own test, private:
+        a step-count checkpoint taken before a validation would resume past it without running it
+        (tests/test_train.py's kill-and-resume tests fail if this stops matching Lightning)."""
+        return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+    def save_now(self, trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        partial = f"{filepath}.partial"
+        super()._save_checkpoint(trainer, partial)  # every rank; ends at a barrier
+        if trainer.is_global_zero:
+            replace_checkpoint(partial, filepath)
+        trainer.strategy.barrier()
+        self._last_checkpoint_saved = filepath
+        self.saved_at = time.monotonic()
+
+
+def replace_checkpoint(source: str, target: str) -> None:
+    """Renames the checkpoint `source` (a .ckpt file, or the torchrec strategy's folder) over `target`."""
+    if os.path.isdir(target):  # a folder cannot be renamed over a non-empty one: move it aside first
+        stale = f"{target}.stale"
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(target, stale)
+        os.replace(source, target)
+        shutil.rmtree(stale)
+    else:
+        os.replace(source, target)
+
+
 def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int) -> None:
     """Lets a resumed run append to its folder's metrics.csv: keeps the rows of the steps before the
     checkpoint (a validation is logged at the index of the step it follows) and drops what a killed
@@ -440,20 +533,33 @@ def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int) -> None:
     writer.metrics_keys = header
 
 
+class RankingArgumentParser(LightningArgumentParser):
+    """A config error is the error and a pointer to --help, not argparse's usage line of every key."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # jsonargparse trying an alternative: it handles the error itself
+            return super().error(message, ex)
+        message = " ".join(message.split())  # jsonargparse wraps some messages over several lines
+        print(f"error: {message} (python train.py --help lists every key)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 class RankingCLI(LightningCLI):
     """LightningCLI without subcommands: the config keys are run_name, runs_dir, attn, ckpt_path,
-    dry_run, baseline, seed_everything, model (RankingTask), data (CTRDataModule), sharding
-    (models.sharding.ShardingConfig, used with trainer.strategy: torchrec) and trainer."""
+    dry_run, baseline, seed_everything, checkpoint (CheckpointConfig), model (RankingTask), data
+    (CTRDataModule), sharding (models.sharding.ShardingConfig, used with trainer.strategy: torchrec)
+    and trainer."""
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--run_name", type=str, default="default", help="runs go to <runs_dir>/<run_name>/version_N/")
         parser.add_argument("--runs_dir", type=str, default="runs")
         parser.add_argument(
-            "--attn", type=str | None, default=None, choices=[*kernels.BACKENDS, None],
+            "--attn", type=Literal[tuple(kernels.BACKENDS)] | None, default=None,
             help="shortcut for --model.net.attn_backend",
         )
         parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="checkpoint to resume training from; the run continues in its folder")
+                            help="checkpoint to resume training from; the run continues in its folder. "
+                            "'last': the newest last.ckpt under <runs_dir>/<run_name>/")
         parser.add_argument(
             "--dry_run", type=bool, default=False,
             help="check the config (build the model, data module and trainer), print it resolved as YAML and "
@@ -464,6 +570,7 @@ class RankingCLI(LightningCLI):
             help="after training, fit a logistic regression (no feature interactions) on the same split "
             "and report both validation AUCs in <run folder>/baseline.json",
         )
+        parser.add_class_arguments(CheckpointConfig, "checkpoint", instantiate=False)
         parser.add_class_arguments(sharding.ShardingConfig, "sharding", instantiate=False)
         # The model's features are the dataset's: set by the data module, never in a config.
         parser.link_arguments("data", "model.schema", compute_fn=lambda data: data.schema.to_dict(),
@@ -472,6 +579,9 @@ class RankingCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         if self.config.attn is not None:
             self.config.model.net.attn_backend = self.config.attn
+        if self.config.ckpt_path:
+            run_root = Path(self.config.runs_dir) / self.config.run_name
+            self.config.ckpt_path = resolve_checkpoint(self.config.ckpt_path, run_root)
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         config = self.config
@@ -493,7 +603,7 @@ class RankingCLI(LightningCLI):
             # when the monitored metric improved, and resuming wants the latest state.
             ModelCheckpoint(monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}",
                             auto_insert_metric_name=False),
-            ModelCheckpoint(filename="last"),  # overwritten at every validation
+            LastCheckpoint(CheckpointConfig(**config.checkpoint.as_dict())),
             CudaGraphWarmup(),
             StepMetrics(config.model.peak_flops),
             *(self._get(self.config_init, "trainer", default={}).get("callbacks") or []),  # the config's own
@@ -505,12 +615,35 @@ class RankingCLI(LightningCLI):
                                            **kwargs)
 
 
+def resolve_checkpoint(ckpt_path: str, run_root: Path) -> str:
+    """The checkpoint --ckpt_path names ("last": the newest last.ckpt under run_root), checked readable;
+    ValueError naming the problem otherwise."""
+    if ckpt_path == "last":
+        candidates = sorted(run_root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise ValueError(f"--ckpt_path last: no version_*/checkpoints/last.ckpt under {run_root} "
+                             f"(set --run_name and --runs_dir to the run's, or give the checkpoint's path)")
+        ckpt_path = str(candidates[-1])
+    if not Path(ckpt_path).exists():
+        raise ValueError(f"--ckpt_path {ckpt_path}: no such checkpoint")
+    try:
+        metadata = sharding.checkpoint_metadata(ckpt_path)
+    except Exception as error:  # torch.load's errors for a truncated or foreign file vary by cause
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({reason})") from None
+    if not isinstance(metadata, dict) or "global_step" not in metadata:
+        raise ValueError(f"--ckpt_path {ckpt_path}: not a Lightning checkpoint (it has no global_step)")
+    return ckpt_path
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli = RankingCLI(
             RankingTask, CTRDataModule, run=False, args=argv, seed_everything_default=0,
+            parser_class=RankingArgumentParser,
             auto_configure_optimizers=False, save_config_kwargs={"overwrite": True},
-            parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "parser_mode": "yaml"},
+            parser_kwargs={"default_config_files": [str(DEFAULT_CONFIG)], "parser_mode": "yaml",
+                           "description": __doc__.split("\n\n")[0]},
         )
     except (ValueError, MisconfigurationException) as error:  # a model/data/trainer setting rejected
         print(f"error: {error}", file=sys.stderr)
@@ -530,9 +663,37 @@ def main(argv: list[str] | None = None) -> None:
     if cli.config.dry_run:
         print(cli.parser.dump(cli.config, skip_none=False), end="")  # as SaveConfigCallback writes it
         return
-    trainer.fit(task, datamodule=datamodule, ckpt_path=cli.config.ckpt_path, weights_only=True)
+    if trainer.world_size == 1:  # several processes prepare the data in Lightning's order, inside fit
+        try:  # the data's errors name the file, row and value: no traceback to add to them
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+        except (ValueError, OSError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+    try:
+        trainer.fit(task, datamodule=datamodule, ckpt_path=cli.config.ckpt_path, weights_only=True)
+    except SIGTERMException:
+        print(f"stopped by SIGTERM at step {trainer.global_step}; resume with --ckpt_path last", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGTERM) from None
     if cli.config.baseline:
         report_baseline(trainer, datamodule, Path(trainer.loggers[0].log_dir))
+    if trainer.is_global_zero:
+        report_run(trainer)
+
+
+def report_run(trainer: L.Trainer) -> None:
+    """Where the run went: its folder, metrics, checkpoints and how to look at it."""
+    run_dir = Path(trainer.loggers[0].log_dir)
+    best, last = "", ""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, LastCheckpoint):
+            last = callback.best_model_path  # its single kept checkpoint
+        elif callback.monitor == "val/ne":
+            best = callback.best_model_path
+    print(f"run folder: {run_dir}\n  metrics: {run_dir / 'metrics.csv'}\n"
+          f"  best checkpoint (lowest val/ne): {best or 'none (no validation ran)'}\n"
+          f"  last checkpoint: {last or 'none'} (resume: --ckpt_path last)\n"
+          f"  tensorboard --logdir {run_dir.parent}")
 
 
 def report_baseline(trainer: L.Trainer, datamodule: CTRDataModule, run_dir: Path) -> None:

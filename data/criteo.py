@@ -87,6 +87,21 @@ def _open(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
+def _check_format(input_path: Path) -> None:
+    """Refuses, before reading it all, a file whose first line is comma-separated: a Criteo sample
+    published as CSV, whose every line would otherwise be skipped (or, with --strict, the first) as
+    malformed."""
+    with _open(input_path) as source:
+        first = source.readline().rstrip(b"\r\n")
+    if b"\t" not in first and b"," in first:
+        header = " (a header)" if not first.split(b",")[0].strip().isdigit() else ""
+        raise ValueError(
+            f"{input_path}: line 1 is comma-separated, {first.count(b',') + 1} fields{header}: "
+            f"{_decode(first[:60])!r}; expected Criteo's tab-separated lines of {len(COLUMNS)} fields (label 0/1, "
+            f"13 integers, 26 hex hashes), no header"
+        )
+
+
 def count_lines(path: Path) -> int:
     lines, last = 0, b"\n"
     with _open(path) as source:
@@ -135,7 +150,7 @@ def _field_count_problems(stripped: list[bytes]) -> dict[int, str]:
 
 def _field_value_problems(raw: pa.Table) -> dict[int, str]:
     """Row -> the first bad field of that row, checked column-wise with Arrow kernels."""
-    checks = [(LABEL, pc.is_in(raw.column(LABEL), value_set=pa.array(["0", "1"])), "label is not 0 or 1")]
+    checks = [(LABEL, pc.is_in(raw.column(LABEL), value_set=pa.array(["0", "1"])), "not 0 or 1")]
     checks += [
         (name, pc.match_substring_regex(raw.column(name), _DENSE_PATTERN), "not an integer") for name in DENSE_NAMES
     ]
@@ -271,6 +286,9 @@ def prepare_criteo(
         )
     if out.exists():
         raise FileExistsError(f"{out} already exists; remove it to prepare again")
+    if not input_path.is_file():
+        raise FileNotFoundError(f"{input_path}: no such file")
+    _check_format(input_path)
     schema = criteo_schema(table_size)
     total_lines = count_lines(input_path)
     first_validation_line = total_lines - int(round(total_lines * val_fraction)) + 1

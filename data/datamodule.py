@@ -151,9 +151,11 @@ class CTRDataModule(lightning.LightningDataModule):
         folder = self.prepared_folder()
         prepared_schema = FeatureSchema.from_dict(read_meta(folder)["schema"])
         if prepared_schema != self.schema:
+            differences = prepared_schema.differences(self.schema)
+            shown = ", ".join(differences[:3]) + (f", ... ({len(differences)} in all)" if len(differences) > 3 else "")
             raise ValueError(
-                f"prepared data in {folder} has schema {prepared_schema}, but the datamodule arguments give "
-                f"{self.schema}; re-prepare the data or change the arguments (e.g. vocab_size)"
+                f"prepared data in {folder} does not match the data arguments (prepared vs arguments): {shown}; "
+                f"re-prepare the data or change the arguments (e.g. data.vocab_size)"
             )
         limits = {"train": self.args.num_train, "validation": self.args.num_val}
         for split, limit in limits.items():

@@ -37,6 +37,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        prepare(args)
+    except (ValueError, OSError) as error:  # bad input, a missing file, an existing output folder
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def prepare(args: argparse.Namespace) -> None:
     if args.dataset == "criteo":
         summary = prepare_criteo(
             args.input, args.out, table_size=args.table_size, shard_rows=args.shard_rows,
@@ -50,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         folder = ensure_movielens(config, args.data_dir)
         print(json.dumps(read_meta(folder).get("rows"), indent=2))
         print(f"prepared {folder}")
-    return 0
 
 
 if __name__ == "__main__":

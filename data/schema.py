@@ -50,6 +50,27 @@ class FeatureSchema:
     def column_names(self) -> tuple[str, ...]:
         return self.dense + self.categorical_names + self.sequence_names
 
+    def differences(self, other: FeatureSchema) -> list[str]:
+        """What differs from `other`, one item per feature, e.g. "categorical 'C1' num_embeddings 1000 vs 100"."""
+        def sizes(schema: FeatureSchema) -> dict[str, tuple]:
+            return {**{name: ("dense",) for name in schema.dense},
+                    **{name: ("categorical", n) for name, n in schema.categorical},
+                    **{name: ("sequence", n, max_len) for name, n, max_len in schema.sequence}}
+
+        mine, theirs = sizes(self), sizes(other)
+        fields = {"categorical": ("num_embeddings",), "sequence": ("num_embeddings", "max_len"), "dense": ()}
+        found = [f"{name!r} only in the first" for name in mine if name not in theirs]
+        found += [f"{name!r} only in the second" for name in theirs if name not in mine]
+        for name in (n for n in mine if n in theirs and mine[n] != theirs[n]):
+            if mine[name][0] != theirs[name][0]:
+                found.append(f"{name!r} is {mine[name][0]} vs {theirs[name][0]}")
+                continue
+            found += [f"{mine[name][0]} {name!r} {field} {a} vs {b}"
+                      for field, a, b in zip(fields[mine[name][0]], mine[name][1:], theirs[name][1:]) if a != b]
+        if not found and self.column_names != other.column_names:
+            found.append("the same features in another order")
+        return found
+
     def features(self) -> datasets.Features:
         """The on-disk column types; every writer uses this so all datasets agree."""
         columns: dict[str, datasets.features.FeatureType] = {}

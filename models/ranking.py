@@ -233,7 +233,10 @@ class DenseTower(nn.Module):
         # Pad row r (r >= the real items) goes right after the real tokens: B * n_fixed + r.
         destination = torch.where(is_pad, batch_size * n_fixed + rows, destination)
         # Pad rows take some slot's vector too (clamped: a schema without sequences has no history slot).
-        history_tokens = self.embedding_proj(history) + slot[(n_fixed + feature).clamp(max=slot.shape[0] - 1)]
+        # Looked up with F.embedding, not indexed: an indexed read's backward accumulates with atomic
+        # adds across CPU threads (a different sum order each run); embedding's adds the rows in order.
+        history_slot = F.embedding((n_fixed + feature).clamp(max=slot.shape[0] - 1), slot)
+        history_tokens = self.embedding_proj(history) + history_slot
 
         fixed_destination = (starts[:, None] + torch.arange(n_fixed, device=device)).reshape(-1)
         sources = torch.cat([fixed.reshape(-1, d), history_tokens.to(fixed.dtype)])

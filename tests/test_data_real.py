@@ -76,7 +76,7 @@ def test_criteo_parser_matches_a_per_field_reference():
 
 MALFORMED = {
     3: (criteo_line(dense=["1"] * 12), "expected 40 tab-separated fields, got 39"),
-    5: (criteo_line(label="2"), "column label value '2' is label is not 0 or 1"),
+    5: (criteo_line(label="2"), "column label value '2' is not 0 or 1"),
     6: (criteo_line(dense=["1"] * 12 + ["1.5"]), "column I13 value '1.5' is not an integer"),
     8: (criteo_line(dense=["x"] + [""] * 12), "column I1 value 'x' is not an integer"),
     9: (criteo_line(categorical=["zz"] + [""] * 25), "column C1 value 'zz' is not a hex hash"),

@@ -276,3 +276,25 @@ def test_fused_mlp_follows_the_attention_backend():
     assert RankingModelConfig(attn_backend="triton", fused_mlp=True).mlp_backend == "triton"
     # fa2 has no MLP kernels: the fastest that runs.
     assert RankingModelConfig(attn_backend="fa2", fused_mlp=True).mlp_backend == "auto"
+
+
+def test_same_batch_gives_bitwise_equal_gradients(model):
+    """Same-seed runs on one CPU must be bitwise equal: no backward may sum in a thread-dependent order
+    (an indexed read's backward accumulates with atomic adds across threads; this batch is large
+    enough for its rows to be split between two)."""
+    generator = torch.Generator().manual_seed(1)
+    batch = make_batch(torch.randint(20, 100, (256,), generator=generator).tolist(),
+                       torch.randint(0, 8, (256,), generator=generator).tolist())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gradients = []
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            logits, _ = model(batch)
+            model.loss(logits, batch.labels).backward()
+            gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    finally:
+        torch.set_num_threads(threads)
+    for repeat in gradients[1:]:
+        assert [name for name in repeat if not torch.equal(repeat[name], gradients[0][name])] == []

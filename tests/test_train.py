@@ -2,6 +2,7 @@
 
 import contextlib
 import csv
+import json
 import os
 import signal
 import statistics
@@ -78,43 +79,67 @@ def test_run_folder_holds_resolved_config_and_checkpoints(tiny_run):
     assert torch.load(last, weights_only=True)["global_step"] == 40
 
 
-def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(tmp_path):
-    """SIGKILL mid-epoch, after the step-20 checkpoint, then resume from last.ckpt: the losses after
-    the checkpoint equal an uninterrupted run's bit for bit (CPU, same seed: the same batches in the
-    same order reach the same weights), and metrics.csv holds each step once."""
-    common = ["--config", "configs/tiny.yaml", f"--data.data_dir={tmp_path / 'cache'}", "--trainer.max_steps=100"]
-    straight = run_train(*common, f"--runs_dir={tmp_path / 'straight'}")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    expected = read_metrics(tmp_path / "straight" / "tiny" / "version_0")
+# 50 tiny steps, validations after steps 20 and 40, last.ckpt every 5 steps (the ones at 20 and 40 after
+# the validation): 32 batches an epoch, so checkpoints fall mid-epoch and on both sides of each validation.
+# A constant learning rate, so that a finished shorter run can be continued to 50 steps.
+RESUME_ARGS = ["--config", "configs/tiny.yaml", "--trainer.max_steps=50", "--checkpoint.every_n_steps=5",
+               "--model.optim.min_lr_ratio=1.0"]
 
-    runs = tmp_path / "killed"
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(the data cache, the run folder) of the 50-step run the killed and resumed runs must equal."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = run_train(*RESUME_ARGS, f"--runs_dir={root / 'runs'}", f"--data.data_dir={root / 'cache'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "cache", root / "runs" / "tiny" / "version_0"
+
+
+def kill_switch(**init_args) -> str:
+    return "--trainer.callbacks+=" + json.dumps({"class_path": "tests.kill_switch.KillSwitch", "init_args": init_args})
+
+
+@pytest.mark.parametrize(
+    "first_run, returncode, checkpoint_step",
+    [
+        pytest.param(kill_switch(step=12), -signal.SIGKILL, 10, id="kill -9 before the first validation"),
+        pytest.param(kill_switch(step=33), -signal.SIGKILL, 30, id="kill -9 between validations"),
+        pytest.param(kill_switch(step=40, during_validation=True), -signal.SIGKILL, 35,
+                     id="kill -9 during a validation"),
+        pytest.param(kill_switch(step=13, signal_name="SIGTERM"), 128 + signal.SIGTERM, 13, id="SIGTERM"),
+        pytest.param("--trainer.max_steps=23", 0, 23, id="a finished run continued"),
+    ],
+)
+def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(
+    uninterrupted_run, tmp_path, first_run, returncode, checkpoint_step
+):
+    """Killed at any point (or finished early), then resumed with --ckpt_path last: the losses and
+    validation metrics equal the uninterrupted run's bit for bit (CPU, same seed: the same batches in
+    the same order reach the same weights), and metrics.csv holds each step once. SIGTERM and the end
+    of a fit save a checkpoint at the step they stopped."""
+    cache, uninterrupted = uninterrupted_run
+    expected = read_metrics(uninterrupted)
+    runs = tmp_path / "runs"
+    common = [*RESUME_ARGS, f"--runs_dir={runs}", f"--data.data_dir={cache}"]
+    first = run_train(*common, first_run)
+    assert first.returncode == returncode, first.stderr[-3000:]
     run_folder = runs / "tiny" / "version_0"
-    # 32 batches an epoch, a checkpoint every 20 steps: each checkpoint is mid-epoch.
-    process = subprocess.Popen([sys.executable, "train.py", *common, f"--runs_dir={runs}"], cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and process.poll() is None:
-        if (run_folder / "checkpoints" / "last.ckpt").exists():
-            time.sleep(0.3)  # a few steps past the checkpoint, some of them logged
-            break
-        time.sleep(0.02)
-    assert process.poll() is None, "the run ended before it could be killed: " + process.stderr.read()[-2000:]
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    checkpoint_step = torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-    assert checkpoint_step in (20, 40, 60, 80)
-    assert len(read_metrics(run_folder)) > 0
+    assert torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == checkpoint_step
+    if "SIGTERM" in first_run:
+        assert first.stderr.strip().splitlines()[-1] == "stopped by SIGTERM at step 13; resume with --ckpt_path last"
 
-    resumed = run_train(*common, f"--runs_dir={runs}", f"--ckpt_path={run_folder / 'checkpoints' / 'last.ckpt'}")
+    resumed = run_train(*common, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"last checkpoint: {run_folder / 'checkpoints' / 'last.ckpt'}" in resumed.stdout  # the run's summary
     assert not (runs / "tiny" / "version_1").exists()  # continued in its own folder
     rows = read_metrics(run_folder)
     train_steps = [int(row["step"]) for row in rows if row["train/loss"]]
-    assert train_steps == list(range(100)), train_steps
+    assert train_steps == list(range(50)), train_steps
     # A validation row carries the index of the step it follows.
-    assert [int(row["step"]) for row in rows if row["val/auc"]] == [19, 39, 59, 79, 99]
+    assert [int(row["step"]) for row in rows if row["val/auc"]] == [19, 39]
     assert column(rows, "train/loss") == column(expected, "train/loss")
     assert column(rows, "val/auc") == column(expected, "val/auc")
+    assert torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 50
 
 
 def test_unavailable_backend_fails_fast_with_clean_message(tmp_path):
@@ -381,3 +406,17 @@ def test_cuda_graph_warm_up_covers_the_epochs_the_run_reaches_and_moves_no_sampl
     trainer.current_epoch = 1  # resumed in epoch 1 (max_epochs 2): that epoch's counts alone
     trainer.max_epochs = 2
     assert train.CudaGraphWarmup().warm_up(trainer, task) == train.padded_token_counts(data, net, range(1, 2))
+
+
+def test_two_same_seed_runs_are_bitwise_equal(tmp_path):
+    """The default model's sizes and batch (large enough for CPU ops to split work between threads),
+    run twice with the same seed: every loss and validation metric is bitwise equal."""
+    common = ["--trainer.max_steps=24", "--trainer.val_check_interval=12", "--data.num_train=8192",
+              "--data.num_val=512", "--trainer.enable_progress_bar=false", f"--data.data_dir={tmp_path / 'cache'}"]
+    runs = []
+    for name in ("first", "second"):
+        result = run_train(*common, f"--runs_dir={tmp_path / name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(read_metrics(tmp_path / name / "default" / "version_0"))
+    for name in ("train/loss", "val/logloss", "val/auc"):
+        assert column(runs[0], name) == column(runs[1], name), name

@@ -1,0 +1,75 @@
+"""Bad input to the command lines (train.py, python -m data.prepare): each exits 2 with one line naming
+the problem, no traceback, and leaves no empty run folder behind."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_data_real import criteo_line, random_criteo_lines
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """A good Criteo file prepared with table size 1000, a malformed one, a CSV with a header, a file that
+    is no checkpoint, and a run folder with no checkpoint."""
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "good.tsv").write_text("\n".join(random_criteo_lines(40, seed=0)) + "\n")
+    (root / "malformed.tsv").write_text("\n".join([*random_criteo_lines(5, seed=1), criteo_line(label="2")]) + "\n")
+    header = "label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + ",".join(f"C{i}" for i in range(1, 27))
+    (root / "header.csv").write_text(header + "\n" + criteo_line().replace("\t", ",") + "\n")
+    (root / "garbage.ckpt").write_bytes(b"not a checkpoint")
+    (root / "exists").mkdir()
+    prepared = subprocess.run(
+        [sys.executable, "-m", "data.prepare", "criteo", "--input", str(root / "good.tsv"),
+         "--out", str(root / "criteo"), "--table-size", "1000"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    return root
+
+
+TRAIN = [sys.executable, "train.py", "--config", "configs/tiny.yaml"]
+PREPARE = [sys.executable, "-m", "data.prepare", "criteo"]
+CASES = {
+    "missing checkpoint": (TRAIN + ["--ckpt_path={root}/missing.ckpt"], "{root}/missing.ckpt: no such checkpoint"),
+    "no checkpoint to resume": (TRAIN + ["--ckpt_path=last"], "last: no version_*/checkpoints/last.ckpt under"),
+    "unreadable checkpoint": (TRAIN + ["--ckpt_path={root}/garbage.ckpt"], "garbage.ckpt: not a readable checkpoint"),
+    "vocab_size mismatch": (
+        TRAIN + ["--data.dataset=criteo", "--data.data_dir={root}/criteo", "--data.vocab_size=100"],
+        "(prepared vs arguments): categorical 'C1' num_embeddings 1000 vs 100, categorical 'C2' num_embeddings "
+        "1000 vs 100, categorical 'C3' num_embeddings 1000 vs 100, ... (26 in all)",
+    ),
+    "criteo not prepared": (
+        TRAIN + ["--data.dataset=criteo", "--data.data_dir={root}/nothing"], "holds no prepared Criteo data"
+    ),
+    "misspelled key": (TRAIN + ["--model.net.num_layerz=1"], "num_layerz=1 (python train.py --help lists every key)"),
+    "malformed line, --strict": (
+        PREPARE + ["--input={root}/malformed.tsv", "--out={root}/out", "--strict"],
+        "malformed line 6: column label value '2' is not 0 or 1",
+    ),
+    "output folder exists": (PREPARE + ["--input={root}/good.tsv", "--out={root}/exists"], "exists already exists"),
+    "missing input": (PREPARE + ["--input={root}/missing.tsv", "--out={root}/out"], "missing.tsv: no such file"),
+    "comma-separated with a header": (
+        PREPARE + ["--input={root}/header.csv", "--out={root}/out"],
+        "line 1 is comma-separated, 40 fields (a header): 'label,I1,I2,",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_exits_2_with_one_line_naming_the_problem(inputs, tmp_path, name):
+    command, message = CASES[name]
+    command = [part.format(root=inputs) for part in command]
+    if command[1] == "train.py":
+        command += [f"--runs_dir={tmp_path / 'runs'}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message.format(root=inputs) in last, last
+    assert not (tmp_path / "runs").exists()  # no empty run folder
+    assert not (inputs / "out").exists()
