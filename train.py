@@ -14,7 +14,6 @@ Each run writes runs/<run_name>/version_N/: config.yaml (the resolved config), m
 TensorBoard events and checkpoints/. A resumed run continues in its checkpoint's folder.
 """
 
-import contextlib
 import csv
 import json
 import math
@@ -43,7 +42,7 @@ import kernels
 import models.sharding as sharding  # also registers the "torchrec" strategy
 from data.baseline import logistic_regression_auc
 from data.batch import Batch
-from data.datamodule import ArrowRows, CTRDataModule
+from data.datamodule import CTRDataModule
 from data.schema import FeatureSchema
 from models import RankingModel, RankingModelConfig
 from models.flops import peak_flops, sample_token_counts, train_step_flops
@@ -347,94 +346,6 @@ class StepMetrics(Callback):
             logger.save()
 
 
-def padded_token_counts(datamodule: CTRDataModule, config: RankingModelConfig, epochs: range) -> list[int]:
-    """The padded token counts (RankingModelConfig.pad_tokens_to) of the full-size training batches
-    of these epochs: the sizes CUDA graphs are recorded for."""
-    fixed_tokens = config.n_dense_tokens + len(datamodule.schema.categorical)
-    counts = set()
-    for epoch in epochs:
-        samples, items = datamodule.train_batch_history_items(epoch)
-        tokens = samples * fixed_tokens + items
-        full = tokens[samples == datamodule.batch_size]
-        counts.update((-(-full // config.pad_tokens_to) * config.pad_tokens_to).tolist())
-    return sorted(counts)
-
-
-class CudaGraphWarmup(Callback):
-    """Records the compiled tower's CUDA graphs (compile_mode reduce-overhead) for every padded token
-    count the run's training batches will have, before the first step: a new count otherwise records
-    mid-run, an 85-99 ms step on the H200 (issue 21). Each count runs the tower forward and backward
-    on zero inputs of its shape (from the first training rows' embeddings: the same dtypes and
-    requires_grad, so the same graph), a few times, as cudagraph trees warm up then record. Training
-    is unchanged: no optimizer step, every gradient put back as it was, the RNG state restored.
-    A no-op without compile, reduce-overhead, padding or a single CUDA device (plain strategy)."""
-
-    RUNS_PER_SIZE = 3  # cudagraph trees: a warm-up run, the recording, then a replay
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        config = pl_module.model.config
-        if (config.compile and "reduce-overhead" in config.compile_mode and config.pad_tokens_to
-                and pl_module.device.type == "cuda" and isinstance(trainer.datamodule, CTRDataModule)
-                and not isinstance(trainer.strategy, sharding.TorchrecStrategy)):
-            self.warm_up(trainer, pl_module)
-
-    def warm_up(self, trainer, pl_module) -> list[int]:
-        """Records the graphs of the remaining epochs' padded token counts; returns those counts."""
-        config, datamodule = pl_module.model.config, trainer.datamodule
-        epoch = trainer.current_epoch
-        last_epoch = trainer.max_epochs - 1 if trainer.max_epochs not in (None, -1) else epoch
-        if trainer.max_steps > 0:  # the epoch of the last step, at most (every epoch has as many batches)
-            batches_per_epoch = max(len(datamodule.train_batch_history_items(epoch)[0]), 1)
-            last_epoch = max((trainer.max_steps - 1) // batches_per_epoch, epoch)
-            if trainer.max_epochs not in (None, -1):
-                last_epoch = min(last_epoch, trainer.max_epochs - 1)
-        counts = padded_token_counts(datamodule, config, range(epoch, last_epoch + 1))
-        if not counts:
-            return counts
-        # Collated here, not fetched from a loader: no sampler moves, no batch counts as trained.
-        rows = ArrowRows(datamodule.splits["train"]).__getitems__(list(range(datamodule.batch_size)))
-        batch = datamodule.collate(rows).to(pl_module.device)
-        started = time.perf_counter()
-        warm_up_tower(pl_module, batch, counts, self.RUNS_PER_SIZE, trainer.precision_plugin.forward_context)
-        print(f"CUDA graphs recorded for {len(counts)} padded token counts {counts} in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
-        return counts
-
-
-def warm_up_tower(task: RankingTask, batch: Batch, token_counts: list[int], runs: int,
-                  forward_context=contextlib.nullcontext) -> None:
-    """Runs the model's tower forward (in `forward_context`, Lightning's autocast) and backward `runs`
-    times at each padded token count, on zero history rows and `batch`'s other embeddings; leaves every
-    gradient and the RNG state as they were."""
-    model = task.model
-    with forward_context():
-        template = model.embed(batch)
-    dense = template.dense
-    categorical = template.categorical.detach().requires_grad_(template.categorical.requires_grad)
-    fixed = model.tower.num_fixed_tokens
-    batch_size, num_sequence = dense.shape[0], template.history_lengths.shape[0]
-    # Set aside, not cloned: backward would accumulate into an existing gradient in place.
-    grads = {parameter: parameter.grad for parameter in model.parameters()}
-    for parameter in grads:
-        parameter.grad = None
-    devices = [dense.device] if dense.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        for count in token_counts:
-            rows = count - batch_size * fixed
-            history = template.history.new_zeros(rows, template.history.shape[1])
-            history.requires_grad_(template.history.requires_grad)
-            per_sample = rows // max(num_sequence * batch_size, 1)
-            lengths = torch.full_like(template.history_lengths, per_sample)
-            for _ in range(runs):
-                if model.config.compile and "reduce-overhead" in model.config.compile_mode:
-                    torch.compiler.cudagraph_mark_step_begin()
-                with forward_context():
-                    loss = model.loss(model.tower(dense, categorical, history, lengths), batch.labels)
-                loss.backward()
-    for parameter, grad in grads.items():
-        parameter.grad = grad
-
-
 class LastCheckpoint(ModelCheckpoint):
     """checkpoints/last.ckpt, the newest state of the run: after every validation (ModelCheckpoint's
     default trigger), on CheckpointConfig's step count and clock, at the end of every fit, and when
@@ -604,7 +515,6 @@ class RankingCLI(LightningCLI):
             ModelCheckpoint(monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}",
                             auto_insert_metric_name=False),
             LastCheckpoint(CheckpointConfig(**config.checkpoint.as_dict())),
-            CudaGraphWarmup(),
             StepMetrics(config.model.peak_flops),
             *(self._get(self.config_init, "trainer", default={}).get("callbacks") or []),  # the config's own
         ]

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import datasets
 import lightning
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader
 
@@ -198,25 +196,6 @@ class CTRDataModule(lightning.LightningDataModule):
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None
         return loader
-
-    def train_batch_history_items(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(samples, history items) of each of this rank's training batches of `epoch`, in order, int64
-        [batches] each: from the rows' list lengths (all sequence features) and the sampler's order
-        alone, no batch collated. The model's token count per step follows from them."""
-        if not self.splits:
-            raise RuntimeError("CTRDataModule: call prepare_data() and setup() before asking for batch sizes")
-        table = self.splits["train"].with_format("arrow")[:]
-        per_row = np.zeros(len(table), dtype=np.int64)
-        for name in self.schema.sequence_names:
-            per_row += pc.list_value_length(table.column(name).combine_chunks()).to_numpy(zero_copy_only=False)
-        rank, world_size = self._rank_and_world()
-        sampler = ShardedSampler(len(table), True, self.args.seed, rank, world_size)
-        sampler.set_epoch(epoch)
-        rows = sampler.rows().numpy()
-        starts = np.arange(0, len(rows), self.batch_size)
-        if not len(rows):
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        return np.diff(np.append(starts, len(rows))), np.add.reduceat(per_row[rows], starts)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", shuffle=False)

@@ -1,14 +1,11 @@
 """train.py end to end, run as `python train.py ...` in a subprocess exactly as a user would."""
 
-import contextlib
 import csv
 import json
-import os
 import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -318,94 +315,6 @@ def test_gradient_clipping_reaches_the_optimizer_also_when_it_is_fused(tmp_path,
     assert len(norms["stepped"]) == 3
     assert min(norms["before"]) > 10 * clip  # the clipping had something to do
     assert max(norms["stepped"]) <= clip * 1.001
-
-
-def tiny_data_and_config(tmp_path, pad_tokens_to: int = 64):
-    from data.datamodule import CTRDataModule
-    from models import RankingModelConfig
-
-    data = CTRDataModule(data_dir=str(tmp_path), num_train=256, num_val=64, batch_size=48, vocab_size=50,
-                         num_items=50, max_history_len=40)
-    data.prepare_data()
-    data.setup()
-    net = RankingModelConfig(d_model=16, num_heads=2, num_layers=1, mlp_ratio=2, embedding_dim=8, n_dense_tokens=1,
-                             attn_backend="reference", pad_tokens_to=pad_tokens_to)
-    return data, net
-
-
-def test_padded_token_counts_are_those_of_the_training_batches(tmp_path):
-    """CudaGraphWarmup's sizes, computed from the rows' lengths and the sampler's order, are the padded
-    token counts the collated training batches of each epoch have (full-size batches only)."""
-    from models.flops import sample_token_counts
-
-    data, net = tiny_data_and_config(tmp_path)
-    for epoch in (0, 1):
-        loader = data.train_dataloader()
-        loader.sampler.set_epoch(epoch)
-        batches = list(loader)
-        samples, items = data.train_batch_history_items(epoch)
-        assert samples.tolist() == [b.batch_size for b in batches] == [48] * 5 + [16]
-        assert items.tolist() == [int(b.history_lengths.sum()) for b in batches]
-        tokens = [int(sample_token_counts(net, data.schema, b.history_lengths).sum()) for b in batches[:-1]]
-        expected = sorted({-(-t // 64) * 64 for t in tokens})
-        assert train.padded_token_counts(data, net, range(epoch, epoch + 1)) == expected
-    both = train.padded_token_counts(data, net, range(2))
-    assert set(both) == set(train.padded_token_counts(data, net, range(1))) | set(train.padded_token_counts(data, net, range(1, 2)))
-
-
-def test_tower_warm_up_runs_every_size_and_leaves_training_as_it_was(tmp_path):
-    """warm_up_tower runs the tower forward and backward at each padded size, and leaves parameters,
-    gradients and the RNG state as they were (a hook draws random numbers, as dropout would)."""
-    data, net = tiny_data_and_config(tmp_path)
-    task = train.RankingTask(data.schema.to_dict(), net)
-    batch = next(iter(data.val_dataloader()))
-    seen = []
-
-    def record(module, args):
-        seen.append(args[2].shape[0])  # the history rows
-        torch.rand(3)
-
-    task.model.tower.register_forward_pre_hook(record)
-    parameters = dict(task.model.named_parameters())
-    kept_grad = torch.full_like(parameters["tower.embedding_proj.weight"], 0.5)
-    parameters["tower.embedding_proj.weight"].grad = kept_grad
-    before = {name: p.detach().clone() for name, p in parameters.items()}
-    rng = torch.get_rng_state()
-    fixed = task.model.tower.num_fixed_tokens
-    counts = [64 * 40, 64 * 42]
-    train.warm_up_tower(task, batch, counts, runs=2)
-    assert seen == [c - batch.batch_size * fixed for c in counts for _ in range(2)]
-    assert all(torch.equal(before[name], p) for name, p in parameters.items())
-    assert parameters["tower.embedding_proj.weight"].grad is kept_grad and bool((kept_grad == 0.5).all())
-    assert all(p.grad is None for name, p in parameters.items() if name != "tower.embedding_proj.weight")
-    assert torch.equal(torch.get_rng_state(), rng)
-
-
-def test_cuda_graph_warm_up_covers_the_epochs_the_run_reaches_and_moves_no_sampler(tmp_path):
-    """CudaGraphWarmup.warm_up (what on_train_start runs on a CUDA device under reduce-overhead), on the
-    CPU: the counts it warms are those of the epochs the remaining steps reach, the tower ran at each,
-    and the data module's training sampler was neither made nor moved."""
-    data, net = tiny_data_and_config(tmp_path, pad_tokens_to=8)  # fine enough that the two epochs differ
-    task = train.RankingTask(data.schema.to_dict(), net)
-    seen = []
-    task.model.tower.register_forward_pre_hook(lambda module, args: seen.append(args[2].shape[0]) and None)
-    contexts = []
-    precision = SimpleNamespace(forward_context=lambda: contexts.append(1) or contextlib.nullcontext())
-    trainer = SimpleNamespace(datamodule=data, current_epoch=0, max_epochs=-1, max_steps=8,
-                              precision_plugin=precision)  # 6 batches an epoch: steps 6 and 7 are epoch 1's
-    counts = train.CudaGraphWarmup().warm_up(trainer, task)
-    assert counts == train.padded_token_counts(data, net, range(2)) != train.padded_token_counts(data, net, range(1))
-    fixed_rows = data.batch_size * task.model.tower.num_fixed_tokens
-    assert seen == [c - fixed_rows for c in counts for _ in range(train.CudaGraphWarmup.RUNS_PER_SIZE)]
-    assert len(contexts) == 1 + len(seen)  # the embedding lookups and every forward under Lightning's autocast
-    assert data.train_sampler is None
-    trainer.max_steps = 6
-    assert train.CudaGraphWarmup().warm_up(trainer, task) == train.padded_token_counts(data, net, range(1))
-    trainer.max_steps, trainer.max_epochs = 8, 1  # max_epochs caps it
-    assert train.CudaGraphWarmup().warm_up(trainer, task) == train.padded_token_counts(data, net, range(1))
-    trainer.current_epoch = 1  # resumed in epoch 1 (max_epochs 2): that epoch's counts alone
-    trainer.max_epochs = 2
-    assert train.CudaGraphWarmup().warm_up(trainer, task) == train.padded_token_counts(data, net, range(1, 2))
 
 
 def test_two_same_seed_runs_are_bitwise_equal(tmp_path):
