@@ -131,6 +131,21 @@ if HAS_TLX:
         return tl.load(x_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
 
     @triton.jit
+    def _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks,
+                           SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNK: tl.constexpr):
+        """The producer's step k: waits for ring slot k % NUM_STAGES to be free, then loads hidden chunk
+        k % num_chunks's W1 box [CHUNK, D] and W2 box [D, CHUNK] into it. The slot's full barrier
+        expects SLOT_BYTES, so a caller may add loads of its own to the slot."""
+        h0 = (k % num_chunks) * CHUNK
+        slot = k % NUM_STAGES
+        phase = (k // NUM_STAGES) & 1
+        # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
+        tlx.barrier_wait(empties[slot], phase ^ 1)
+        tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
+        tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
+        tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
+
+    @triton.jit
     def _activation_and_second_product(hidden, acc, b1_ptr, w2_buf, hidden_buf, desc_hidden, row0, c,
                                        dtype: tl.constexpr, CHUNK: tl.constexpr):
         """Chunk c's bias and GELU on the first product's fp32 result, then (issued, not waited) the
@@ -172,14 +187,8 @@ if HAS_TLX:
                 pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
                 num_chunks = H // CHUNK
                 for k in range(0, n_rounds * num_chunks):
-                    h0 = (k % num_chunks) * CHUNK
-                    slot = k % NUM_STAGES
-                    phase = (k // NUM_STAGES) & 1
-                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
-                    tlx.barrier_wait(empties[slot], phase ^ 1)
-                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-                    tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
-                    tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
+                    _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks, SLOT_BYTES,
+                                       NUM_STAGES, CHUNK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -312,11 +321,9 @@ if HAS_TLX:
                     r = k // num_chunks
                     h0 = (k % num_chunks) * CHUNK
                     slot = k % NUM_STAGES
-                    phase = (k // NUM_STAGES) & 1
-                    tlx.barrier_wait(empties[slot], phase ^ 1)
-                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-                    tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
-                    tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
+                    # SLOT_BYTES counts these loads too.
+                    _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks, SLOT_BYTES,
+                                       NUM_STAGES, CHUNK)
                     for c in tl.static_range(NUM_CONSUMERS):
                         # Rows past T arrive as zeros (TMA's fill) and are never stored.
                         row0 = ((pid + r * nprog) * NUM_CONSUMERS + c) * BLOCK
