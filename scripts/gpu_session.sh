@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke, bench, mlp_bench, profile_mlp, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, profile_mlp, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
@@ -28,7 +28,7 @@ for s in "$@"; do
   case $s in
     env) step env 120 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, triton.__file__); import triton.language.extra.tlx; print(\"tlx ok\")"; python3 -c "import torchrec, datasets, lightning, jsonargparse, fbgemm_gpu; print(\"torchrec\", torchrec.__version__, \"datasets\", datasets.__version__, \"lightning\", lightning.__version__, \"fbgemm_gpu\", fbgemm_gpu.__file__)"' ;;
     parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ${PARITY_K:+-k "$PARITY_K"} ;;
-    smoke) step smoke 300 python3 train.py "${GPU_DATA[@]}" --attn=tlx --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
+    smoke) step smoke_${SMOKE_ATTN:-tlx} 300 python3 train.py "${GPU_DATA[@]}" --attn=${SMOKE_ATTN:-tlx} --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
@@ -39,6 +39,9 @@ for s in "$@"; do
           --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.fused_mlp=$fused \
           --out "$OUT/profile_step_fused_mlp_${fused}_h200"
       done ;;
+    # What Lightning's deterministic switch (torch.use_deterministic_algorithms) costs the tlx step.
+    profile_deterministic) step profile_deterministic 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
+        --data.num_val=2048 --warmup 12 --steps 6 --attn tlx --trainer.deterministic=true --out "$OUT/profile_step_deterministic_h200" ;;
     # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx
     # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing);
     # each with the plain step and through torchrec's TrainPipelineSparseDist (sharding.pipeline).
@@ -57,7 +60,7 @@ for s in "$@"; do
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
       # .gpu/compare_h200_runs.tgz and the comparison reuses its finished runs, training only the rest
       [[ -f .gpu/compare_h200_runs.tgz && ! -d /tmp/compare_h200 ]] && tar xzf .gpu/compare_h200_runs.tgz -C /tmp
-      setsid nohup python3 train.py compare --attn tlx triton fa2 reference --variant tlx_sharded tlx configs/sharded.yaml configs/sharded_adam.yaml "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=500 > /tmp/compare_h200.log 2>&1 < /dev/null &
+      setsid nohup python3 train.py compare --attn ${COMPARE_ATTN:-tlx triton fa2 flex} --variant tlx_fused_mlp tlx model.net.fused_mlp=true "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=500 > /tmp/compare_h200.log 2>&1 < /dev/null &
       summary+=("compare_start: started, log /tmp/compare_h200.log") ;;
     compare_wait) for _ in $(seq $(( ${COMPARE_WAIT_S:-570} / 5 ))); do pgrep -f "train.py compare" > /dev/null || break; sleep 5; done
       cp /tmp/compare_h200.log "$OUT"/compare.log; cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/ 2>/dev/null
