@@ -1,10 +1,11 @@
 """PyTorch FlexAttention as a peer backend: the 64-token block-diagonal pattern as a BlockMask.
 
 What a user of stock PyTorch would write: `flex_attention` compiled, with a BlockMask built from the
-batch's BlockTable. Called eagerly it compiles once per token count (dynamic=False), so a model wants
-few padded counts (RankingModelConfig.pad_tokens_to); inside the model's compiled tower (dynamic
-shapes) it is traced into the tower's graph instead, untested there on a GPU as of this commit. Rotary is applied as separate PyTorch ops first (by the
-dispatcher), as for fa2. On a CPU FlexAttention has no backward (torch 2.13), so the backend is CUDA only.
+batch's BlockTable. It compiles once per token count (dynamic=False), so a model wants few padded
+counts (RankingModelConfig.pad_tokens_to). Inside the model's compiled tower it runs outside the
+tower's graph (a graph break): traced into that dynamic-shape graph, inductor could not lower the
+BlockMask (H200, torch 2.11: "convert FlexibleLayout to FixedLayout first", as in pytorch#134560).
+Rotary is applied as separate PyTorch ops first (by the dispatcher), as for fa2. On a CPU FlexAttention has no backward (torch 2.13), so the backend is CUDA only.
 
 The BlockMask's sparse tile is FLEX_TILE = 128 tokens, not our 64: inductor's default sm90 backward
 config at head_dim 64-128 uses 128-wide kernel tiles, which must divide the sparse tile, and without
@@ -107,6 +108,7 @@ def flex_unsupported_reason(q: torch.Tensor) -> str | None:
     return None
 
 
+@torch.compiler.disable  # see the module docstring; the compiled flex_attention inside still compiles
 def _run(q, k, v, table: BlockTable, cos, sin, rotate_v, launch):
     # Rotary was applied by the dispatcher (fuses_rotary=False).
     return flex_block_attention(q, k, v, flex_block_mask(table))

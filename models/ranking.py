@@ -232,10 +232,15 @@ class DenseTower(nn.Module):
             is_pad, destination, feature = torch.ones_like(rows, dtype=torch.bool), rows, torch.zeros_like(rows)
         # Pad row r (r >= the real items) goes right after the real tokens: B * n_fixed + r.
         destination = torch.where(is_pad, batch_size * n_fixed + rows, destination)
-        # Pad rows take some slot's vector too (clamped: a schema without sequences has no history slot).
-        # Looked up with F.embedding, not indexed: an indexed read's backward accumulates with atomic
-        # adds across CPU threads (a different sum order each run); embedding's adds the rows in order.
-        history_slot = F.embedding((n_fixed + feature).clamp(max=slot.shape[0] - 1), slot)
+        # Pad rows take some slot's vector too (the last: a schema without sequences has no history
+        # slot). Selected by a one-hot sum, not looked up: a lookup's backward scatters ~all rows onto
+        # one to three slot rows, which on a GPU is atomics (a different sum order each run) or, under
+        # torch's deterministic mode, a sort-based kernel that adds each slot's rows one by one (95 ms
+        # a step on the H200). The sum's backward is a plain reduction over rows, fixed in order, and
+        # its forward is exact (one 1.0 * v and zeros).
+        history_slots = slot[-max(self.num_sequence, 1):]
+        is_feature = F.one_hot(feature, history_slots.shape[0]).to(slot.dtype)
+        history_slot = (is_feature[:, :, None] * history_slots).sum(1)
         history_tokens = self.embedding_proj(history) + history_slot
 
         fixed_destination = (starts[:, None] + torch.arange(n_fixed, device=device)).reshape(-1)
