@@ -39,13 +39,14 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAUROC
 
 import kernels
-import models.sharding as sharding  # also registers the "torchrec" strategy
+import models.sharding as sharding
 from data.baseline import logistic_regression_auc
 from data.batch import Batch
 from data.datamodule import CTRDataModule
 from data.schema import FeatureSchema
 from models import RankingModel, RankingModelConfig
 from models.flops import peak_flops, sample_token_counts, train_step_flops
+from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
@@ -128,7 +129,7 @@ class RankingTask(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         strategy = self.trainer.strategy
-        pipelined = stage == "fit" and isinstance(strategy, sharding.TorchrecStrategy) and strategy.sharding.pipeline
+        pipelined = stage == "fit" and isinstance(strategy, TorchrecStrategy) and strategy.sharding.pipeline
         # With sharding.pipeline, torchrec's pipeline runs forward, backward and the optimizer step,
         # and Lightning hands the step its data iterator (the signature tells it to).
         self.automatic_optimization = not pipelined
@@ -519,7 +520,7 @@ class RankingCLI(LightningCLI):
             *(self._get(self.config_init, "trainer", default={}).get("callbacks") or []),  # the config's own
         ]
         if config.trainer.strategy == "torchrec":  # with this config's sharding, not the defaults
-            kwargs["strategy"] = sharding.TorchrecStrategy(sharding.ShardingConfig(**config.sharding.as_dict()))
+            kwargs["strategy"] = TorchrecStrategy(sharding.ShardingConfig(**config.sharding.as_dict()))
         # The data module shards rows by rank itself (ShardedSampler), without repeating any.
         return super().instantiate_trainer(logger=loggers, callbacks=callbacks, use_distributed_sampler=False,
                                            **kwargs)

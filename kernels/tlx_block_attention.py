@@ -195,6 +195,30 @@ if HAS_TLX:
         return head, start, length
 
     @triton.jit
+    def _load_items(desc_q, desc_k, desc_v, desc_do, desc_cos, desc_sin, q_bufs, k_bufs, v_bufs, do_bufs, cos_bufs,
+                    sin_bufs, fulls, empties, block_start_ptr, block_len_ptr, num_blocks_ptr, H,
+                    SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+        """The producer partition: item j of this program waits for ring slot j % NUM_STAGES to be
+        free, then TMA-loads its q, k, v tiles, its dO tile (the backward's: do_bufs is None in the
+        forward) and, with ROTARY, its cos/sin rows into the slot, whose full barrier expects SLOT_BYTES."""
+        pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
+        for j in range(0, n_local):
+            head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
+            slot = j % NUM_STAGES
+            phase = (j // NUM_STAGES) & 1
+            # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
+            tlx.barrier_wait(empties[slot], phase ^ 1)
+            tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
+            tlx.async_descriptor_load(desc_q, q_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
+            tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
+            tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
+            if do_bufs is not None:
+                tlx.async_descriptor_load(desc_do, do_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
+            if ROTARY:
+                tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
+                tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
+
+    @triton.jit
     def _rotate_in_place(buf, cos, sin, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
         # fp32 math, one rounding back to the tile's 16-bit dtype (as the reference does).
         x = tlx.local_load(buf)
@@ -230,6 +254,9 @@ if HAS_TLX:
         if ROTARY:
             cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
             sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
+        else:
+            cos_bufs = None
+            sin_bufs = None
         if O_TMA_STORE:
             # Per-consumer staging of O, outside the ring so a slot is released right after PV
             # instead of after the TMA engine has read O out of it.
@@ -239,20 +266,9 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
-                for j in range(0, n_local):
-                    head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
-                    slot = j % NUM_STAGES
-                    phase = (j // NUM_STAGES) & 1
-                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
-                    tlx.barrier_wait(empties[slot], phase ^ 1)
-                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-                    tlx.async_descriptor_load(desc_q, q_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    if ROTARY:
-                        tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
-                        tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
+                _load_items(desc_q, desc_k, desc_v, None, desc_cos, desc_sin, q_bufs, k_bufs, v_bufs, None, cos_bufs,
+                            sin_bufs, fulls, empties, block_start_ptr, block_len_ptr, num_blocks_ptr, H, SLOT_BYTES,
+                            NUM_STAGES, HEAD_DIM, ROTARY)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -329,6 +345,9 @@ if HAS_TLX:
         if ROTARY:
             cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
             sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
+        else:
+            cos_bufs = None
+            sin_bufs = None
         # wgmma's A operand is read row-major from SMEM, so P^T and dS^T are written transposed,
         # each into its own tile or, with SHARED_T_TILE, one after the other into one tile.
         T_TILES: tl.constexpr = 1 if SHARED_T_TILE else 2
@@ -338,20 +357,9 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
-                for j in range(0, n_local):
-                    head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
-                    slot = j % NUM_STAGES
-                    phase = (j // NUM_STAGES) & 1
-                    tlx.barrier_wait(empties[slot], phase ^ 1)
-                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-                    tlx.async_descriptor_load(desc_q, q_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    tlx.async_descriptor_load(desc_k, k_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    tlx.async_descriptor_load(desc_v, v_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    tlx.async_descriptor_load(desc_do, do_bufs[slot], [start, head * HEAD_DIM], fulls[slot])
-                    if ROTARY:
-                        tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
-                        tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
+                _load_items(desc_q, desc_k, desc_v, desc_do, desc_cos, desc_sin, q_bufs, k_bufs, v_bufs, do_bufs,
+                            cos_bufs, sin_bufs, fulls, empties, block_start_ptr, block_len_ptr, num_blocks_ptr, H,
+                            SLOT_BYTES, NUM_STAGES, HEAD_DIM, ROTARY)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()

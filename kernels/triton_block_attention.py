@@ -79,6 +79,41 @@ def _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK: tl.constexpr, HEAD_DIM:
 
 
 @triton.jit
+def _load_item(
+    item, rows, q_ptr, k_ptr, v_ptr, block_start_ptr, block_len_ptr, heads, stride_t, stride_h,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Work item `item`, the (block, head) pair it names: its head, start token, length, row mask,
+    and its q, k, v tiles with rows >= length as zeros. `rows` is tl.arange(0, BLOCK), made by the
+    kernel before its item loop: made here, it would move in the compiled code."""
+    blk = item // heads
+    head = item - blk * heads
+    start = tl.load(block_start_ptr + blk)
+    length = tl.load(block_len_ptr + blk)
+    row_ok = rows < length
+    offs = _tile_offsets(start, head, stride_t, stride_h, BLOCK, HEAD_DIM)
+    q = tl.load(q_ptr + offs, mask=row_ok[:, None], other=0.0)
+    k = tl.load(k_ptr + offs, mask=row_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
+    return head, start, length, row_ok, q, k, v
+
+
+@triton.jit
+def _rotate_item(
+    q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE_V: tl.constexpr,
+):
+    """An item's q, k (and with ROTATE_V v) tiles rotated in fp32 and rounded back once, and the
+    item's cos/sin, with which the backward rotates the gradients back."""
+    dtype = q.dtype
+    cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
+    q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+    k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+    if ROTATE_V:
+        v = rotate_pairs(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+    return q, k, v, cos, sin
+
+
+@triton.jit
 def _softmax_scores(q, k, length, qk_scale, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Unnormalized exp2 scores of one 64x64 tile and their row sums; keys >= length get 0."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -102,21 +137,10 @@ def _block_attention_fwd(
     num_items = tl.load(num_blocks_ptr).to(tl.int32) * heads
     # num_stages=1: nothing to pipeline in a loop that runs once per program on a GPU.
     for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=1):
-        blk = item // heads
-        head = item - blk * heads
-        start = tl.load(block_start_ptr + blk)
-        length = tl.load(block_len_ptr + blk)
-        row_ok = rows < length
-        offs = _tile_offsets(start, head, stride_t, stride_h, BLOCK, HEAD_DIM)
-        q = tl.load(q_ptr + offs, mask=row_ok[:, None], other=0.0)
-        k = tl.load(k_ptr + offs, mask=row_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
+        head, start, length, row_ok, q, k, v = _load_item(
+            item, rows, q_ptr, k_ptr, v_ptr, block_start_ptr, block_len_ptr, heads, stride_t, stride_h, BLOCK, HEAD_DIM)
         if ROTARY:
-            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-            q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            if ROTATE_V:
-                v = rotate_pairs(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM, ROTATE_V)
         p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
         # P in the input dtype for the PV product, as FlashAttention does; normalize after.
         out = tl.dot(p.to(dtype), v, input_precision=DOT_PRECISION) / row_sum[:, None]
@@ -136,24 +160,13 @@ def _block_attention_bwd(
     rows = tl.arange(0, BLOCK)
     num_items = tl.load(num_blocks_ptr).to(tl.int32) * heads
     for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=1):
-        blk = item // heads
-        head = item - blk * heads
-        start = tl.load(block_start_ptr + blk)
-        length = tl.load(block_len_ptr + blk)
-        row_ok = rows < length
-        offs = _tile_offsets(start, head, stride_t, stride_h, BLOCK, HEAD_DIM)
-        q = tl.load(q_ptr + offs, mask=row_ok[:, None], other=0.0)
-        k = tl.load(k_ptr + offs, mask=row_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + offs, mask=row_ok[:, None], other=0.0)
+        head, start, length, row_ok, q, k, v = _load_item(
+            item, rows, q_ptr, k_ptr, v_ptr, block_start_ptr, block_len_ptr, heads, stride_t, stride_h, BLOCK, HEAD_DIM)
         do_offs = _tile_offsets(start, head, do_stride_t, do_stride_h, BLOCK, HEAD_DIM)
         do = tl.load(do_ptr + do_offs, mask=row_ok[:, None], other=0.0)
         if ROTARY:
             # Recomputed from the raw inputs, bit-identical to the forward's rotated tiles.
-            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-            q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-            if ROTATE_V:
-                v = rotate_pairs(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+            q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM, ROTATE_V)
         p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
         p = p / row_sum[:, None]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)

@@ -13,7 +13,7 @@ start and a token only attends within its block. One more sequence follows the
 samples: the pad tokens (RankingModelConfig.pad_tokens_to; empty without padding).
 
 The model is two parts: RankingModel.embed runs the torchrec embedding lookups
-eagerly (sharded or not, models/sharding.py), and DenseTower does everything
+eagerly (sharded or not, models/sharding/), and DenseTower does everything
 after them on plain tensors, so it compiles into one graph.
 """
 
@@ -307,7 +307,7 @@ class RankingModel(nn.Module):
         dense = batch.dense if len(self.schema.dense) else batch.labels.new_zeros(batch_size, 1)
         if self.categorical_names:
             pooled = self.categorical_embeddings(self._check_keys(batch.sparse, self.categorical_names, "sparse"))
-            # By feature name: a sharded collection (models/sharding.py) returns its features grouped
+            # By feature name: a sharded collection (models/sharding/) returns its features grouped
             # by shard, not in table order.
             categorical = torch.stack([pooled[name] for name in self.categorical_names], dim=1)
         else:

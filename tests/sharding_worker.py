@@ -65,7 +65,7 @@ def table_keys() -> list[str]:
 
 def local_tables(model: torch.nn.Module) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
     """This rank's pieces of every table: [(offsets, values)], one full piece for replicated tables."""
-    from models.sharding import _local_shards
+    from models.sharding.shard import _local_shards
 
     state = model.state_dict()
     pieces = {}
@@ -303,7 +303,8 @@ def scenario_lightning(rank: int, world_size: int, args: dict) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from models.sharding import TorchrecStrategy, dense_parameters
+    from models.sharding import dense_parameters
+    from training.strategy import TorchrecStrategy
 
     class Task(L.LightningModule):
         def __init__(self, seed: int):

@@ -1,4 +1,4 @@
-"""models/sharding.py: torchrec DistributedModelParallel on CPU (gloo), 2 processes against 1.
+"""models/sharding/ and training/: torchrec DistributedModelParallel on CPU (gloo), 2 processes against 1.
 
 Each multi-process test starts tests/sharding_worker.py once per rank with torchrun's environment
 (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...) and compares what the ranks wrote with a single-process
