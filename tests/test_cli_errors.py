@@ -46,6 +46,10 @@ CASES = {
     "criteo not prepared": (
         TRAIN + ["--data.dataset=criteo", "--data.data_dir={root}/nothing"], "holds no prepared Criteo data"
     ),
+    "model too large for the memory limit": (
+        TRAIN + ["--memory_limit_gib=0.001"],
+        "this model needs about 4.3 MiB to train (25,441 parameters x 16 bytes",
+    ),
     "misspelled key": (TRAIN + ["--model.net.num_layerz=1"], "num_layerz=1 (python train.py --help lists every key)"),
     "malformed line, --strict": (
         PREPARE + ["--input={root}/malformed.tsv", "--out={root}/out", "--strict"],

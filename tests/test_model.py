@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import KeyedJaggedTensor
 
@@ -298,3 +299,29 @@ def test_same_batch_gives_bitwise_equal_gradients(model):
         torch.set_num_threads(threads)
     for repeat in gradients[1:]:
         assert [name for name in repeat if not torch.equal(repeat[name], gradients[0][name])] == []
+
+
+def test_memory_estimate_counts_adamw_state_and_refuses_what_does_not_fit():
+    """16 bytes a trainable parameter plus activations; check_fits refuses past the limit (the held
+    weights counted once) and passes at it."""
+    from models import memory
+
+    net = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 2, bias=False))
+    net[1].weight.requires_grad_(False)
+    estimate = memory.estimate_training_memory(net, tokens_per_batch=3, d_model=4, num_layers=2, mlp_ratio=4)
+    assert estimate.parameters == 110
+    assert estimate.training_state_bytes == 110 * 16
+    assert estimate.activation_bytes == 3 * (9 + 8) * 4 * 2 * 4
+    held = 4 * 110
+    memory.check_fits(estimate, estimate.total_bytes - held, held, "the test")
+    with pytest.raises(ValueError, match=r"needs about .*\(110 parameters x 16 bytes.*the test has"):
+        memory.check_fits(estimate, estimate.total_bytes - held - 1, held, "the test")
+
+
+def test_available_memory_reads_meminfo(tmp_path):
+    from models import memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   12345 kB\n")
+    assert memory.available_bytes(torch.device("cpu"), meminfo) == 12345 * 1024
+    assert memory.available_bytes(torch.device("cpu"), tmp_path / "none") is None

@@ -2,6 +2,8 @@
 
 import csv
 import json
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -14,6 +16,7 @@ import torch
 import yaml
 
 import train
+from training.callbacks import StepMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -233,7 +236,7 @@ def drive_step_metrics(monkeypatch, num_steps: int, log_every: int, on_step_end=
                              step_flops=lambda batch: (8, 16), log=lambda name, value, **kwargs: shown.append(value))
     trainer = SimpleNamespace(global_step=0, log_every_n_steps=log_every, loggers=[logger],
                               optimizers=[SimpleNamespace(param_groups=[{"lr": 0.1}])])
-    metrics = train.StepMetrics(peak_flops=None)
+    metrics = StepMetrics(peak_flops=None)
     events = []  # (start, end) per step
     for step in range(num_steps):
         trainer.global_step = step
@@ -329,3 +332,19 @@ def test_two_same_seed_runs_are_bitwise_equal(tmp_path):
         runs.append(read_metrics(tmp_path / name / "default" / "version_0"))
     for name in ("train/loss", "val/logloss", "val/auc"):
         assert column(runs[0], name) == column(runs[1], name), name
+
+
+def test_progress_bar_after_a_resume_shows_the_epoch_and_version(tmp_path):
+    """A run resumed inside an epoch continues in version_0 and its bar reads "Epoch 1: ... 12/32 ...
+    v_num=0", as a fresh run's would (it read "Training: 12/? ... v_num=on_0": Lightning skips
+    on_train_epoch_start mid-epoch and shows a string version's last 4 characters), in the TQDM bar
+    (never RichProgressBar's "Epoch 0/-2" of a max_steps run)."""
+    args = ["--config", "configs/tiny.yaml", f"--runs_dir={tmp_path / 'runs'}", f"--data.data_dir={tmp_path / 'cache'}"]
+    first = run_train(*args, "--trainer.max_steps=40")  # tiny: 32 batches an epoch, so step 40 is inside epoch 1
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_train(*args, "--ckpt_path=last", "--trainer.max_steps=44", "--trainer.enable_progress_bar=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    bar = [line for line in resumed.stdout.replace("\r", "\n").splitlines() if "it/s" in line]  # TQDM: stdout
+    assert bar and re.match(r"Epoch 1: .*\| 12/32 .*v_num=0\b", bar[-1]), bar[-1]
+    assert not any("on_0" in line or "/-2" in line for line in bar), bar
+    assert sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0"]
