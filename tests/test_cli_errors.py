@@ -48,7 +48,7 @@ CASES = {
     ),
     "model too large for the memory limit": (
         TRAIN + ["--memory_limit_gib=0.001"],
-        "this model needs about 4.3 MiB to train (25,441 parameters x 16 bytes",
+        "this model needs about 4.5 MiB to train (25,441 parameters x 24 bytes",
     ),
     "misspelled key": (TRAIN + ["--model.net.num_layerz=1"], "num_layerz=1 (python train.py --help lists every key)"),
     "malformed line, --strict": (

@@ -302,7 +302,7 @@ def test_same_batch_gives_bitwise_equal_gradients(model):
 
 
 def test_memory_estimate_counts_adamw_state_and_refuses_what_does_not_fit():
-    """16 bytes a trainable parameter plus activations; check_fits refuses past the limit (the held
+    """24 bytes a trainable parameter plus activations; check_fits refuses past the limit (the held
     weights counted once) and passes at it."""
     from models import memory
 
@@ -310,11 +310,11 @@ def test_memory_estimate_counts_adamw_state_and_refuses_what_does_not_fit():
     net[1].weight.requires_grad_(False)
     estimate = memory.estimate_training_memory(net, tokens_per_batch=3, d_model=4, num_layers=2, mlp_ratio=4)
     assert estimate.parameters == 110
-    assert estimate.training_state_bytes == 110 * 16
+    assert estimate.training_state_bytes == 110 * 24
     assert estimate.activation_bytes == 3 * (9 + 8) * 4 * 2 * 4
     held = 4 * 110
     memory.check_fits(estimate, estimate.total_bytes - held, held, "the test")
-    with pytest.raises(ValueError, match=r"needs about .*\(110 parameters x 16 bytes.*the test has"):
+    with pytest.raises(ValueError, match=r"needs about .*\(110 parameters x 24 bytes.*the test has"):
         memory.check_fits(estimate, estimate.total_bytes - held - 1, held, "the test")
 
 

@@ -3,7 +3,6 @@
 import csv
 import json
 import re
-import shutil
 import signal
 import statistics
 import subprocess
