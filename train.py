@@ -302,7 +302,7 @@ class RankingCLI(LightningCLI):
                             auto_insert_metric_name=False),
             LastCheckpoint(CheckpointConfig(**config.checkpoint.as_dict())),
             StepMetrics(config.model.peak_flops),
-            *(self._get(self.config_init, "trainer", default={}).get("callbacks") or []),  # the config's own
+            *(self.config_init.get("trainer.callbacks") or []),  # the config's own
         ]
         if config.trainer.enable_progress_bar is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(RunProgressBar())

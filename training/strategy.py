@@ -11,8 +11,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -143,7 +143,7 @@ class TorchrecStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizer_state_to(self.optimizers, self.root_device)
         self.train_pipeline = None
         if fitting and self.sharding.pipeline:
             check_pipeline_supported(trainer, self)
@@ -225,7 +225,7 @@ class TorchrecStrategy(DDPStrategy):
         # Keep the sharded model where it is (Strategy.teardown would move it to the CPU, which the
         # fused kernels' buffers do not survive); hand back the LightningModule itself.
         self.model = self.lightning_module
-        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        optimizer_state_to(self.optimizers, torch.device("cpu"))
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
@@ -255,3 +255,11 @@ if "torchrec" not in StrategyRegistry:
     StrategyRegistry.register(
         "torchrec", TorchrecStrategy, description="torchrec DistributedModelParallel: sharded tables, DDP for the rest"
     )
+
+
+def optimizer_state_to(optimizers, device: torch.device) -> None:
+    """Moves the optimizers' state tensors (AdamW's moments; the fused sparse optimizers' live in
+    the sharded tables) to `device`, as Strategy.setup does for a plain model."""
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            optimizer.state[param] = apply_to_collection(state, torch.Tensor, lambda tensor: tensor.to(device))
