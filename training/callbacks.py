@@ -194,6 +194,8 @@ class LastCheckpoint(ModelCheckpoint):
         return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
     def save_now(self, trainer) -> None:
+        # ModelCheckpoint's own save path (private; no public method saves on demand): it names the
+        # file, keeps last_model_path for the next resume and calls _save_checkpoint below.
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 

@@ -113,6 +113,7 @@ class TorchrecStrategy(DDPStrategy):
             if isinstance(module, Metric):  # its _apply moves its states and takes no `recurse`
                 module.to(device)
             else:
+                # nn.Module.to has no recurse=False: the collections' submodules must stay where sharding puts them.
                 module._apply(lambda t: t.to(device), recurse=False)
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -131,6 +132,7 @@ class TorchrecStrategy(DDPStrategy):
                 )
             self.model, self.plan = dmp, plan
         else:
+            # DDPStrategy's own settings (sync_batchnorm, its DDP kwargs), which it exposes no other way.
             if fitting and self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
             self.precision_plugin.convert_module(self.model)

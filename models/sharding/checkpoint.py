@@ -162,6 +162,7 @@ def _check_shapes(
     """Compare every tensor's global shape with the checkpoint's (`saved`: _saved_tensors) before DCP
     reads anything; the ranks pool what they found (the fused optimizer's keys differ between ranks)
     and all raise, or none."""
+    # DCP's own flattening (private), so the keys are the ones DCP wrote; no public function gives them.
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(dict(state))
