@@ -12,7 +12,9 @@ import pytest
 
 from data.criteo import CATEGORICAL_NAMES, DENSE_NAMES, criteo_schema, parse_lines, prepare_criteo
 from data.datamodule import CTRDataModule
-from data.movielens import AGE_BUCKET_EDGES, GENRES, OCCUPATIONS, MovieLensConfig, build_samples, ensure_movielens
+from data.movielens import (
+    AGE_BUCKET_EDGES, GENRES, ML_100K, OCCUPATIONS, MovieLensConfig, build_splits, ensure_movielens,
+)  # fmt: skip
 from data.prepare import main as prepare_main
 from data.schema import LABEL
 from data.storage import load_split, read_meta
@@ -189,7 +191,8 @@ def test_movielens_history_holds_only_strictly_earlier_items(movielens_root):
     assert any(len(set(ts)) < len(ts) for ts in timestamps_per_user), "fixture must contain same-second ratings"
 
     for max_len in (256, 3):
-        train, validation = build_samples(movielens_root / "raw" / "ml-100k", MovieLensConfig(max_history_len=max_len))
+        splits = build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig(max_history_len=max_len))
+        train, validation = splits["train"], splits["validation"]
         samples = train.to_pylist() + validation.to_pylist()
         assert len(samples) == len(interactions)
         for sample in samples:
@@ -210,7 +213,7 @@ def test_movielens_history_holds_only_strictly_earlier_items(movielens_root):
 
 
 def test_movielens_side_features_come_from_the_item_and_user_files(movielens_root):
-    train, _ = build_samples(movielens_root / "raw" / "ml-100k", MovieLensConfig())
+    train = build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig())["train"]
     items = {
         int(f[0]): f for f in (line.split("\t") for line in (FIXTURE / "ml-100k.item").read_text().splitlines()[1:])
     }
@@ -247,7 +250,7 @@ def test_movielens_bad_raw_value_names_file_and_line(movielens_root):
     lines[3] = lines[3].replace(lines[3].split("\t")[3], "astronaut")
     user_file.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"ml-100k.user:4: column 'occupation' value 'astronaut' not in"):
-        ensure_movielens(MovieLensConfig(), movielens_root)
+        ensure_movielens(ML_100K, MovieLensConfig(), movielens_root)
 
 
 def test_criteo_without_prepared_data_says_how_to_prepare(tmp_path):
