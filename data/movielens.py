@@ -163,7 +163,8 @@ def fetch_release(release: MovieLensRelease, raw_dir: Path) -> Path:
             raise FetchError(
                 f"could not fetch {release.folder_name}: `{' '.join(command[2:])}` failed "
                 f"({lines[-1].strip() if lines else 'no output'}); the files are "
-                f"{release.member_dir}{{{','.join(release.files)}}} of the {release.wheel} wheel, to be put in {raw_dir}"
+                f"{release.member_dir}{{{','.join(release.files)}}} of the {release.wheel} wheel, "
+                f"to be put in {raw_dir}"
             )
         raw_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=raw_dir.parent, prefix=f".{raw_dir.name}.tmp-"))
@@ -259,12 +260,20 @@ def check_known(inter_path: Path, ratings: Ratings, user_path: Path, item_path: 
             raise ValueError(f"{inter_path}:{row + 2}: {name} {ids[row]} has no entry in {path}")
 
 
-def read_ml100k(raw_dir: Path) -> Ratings:
-    inter_path, item_path, user_path = (Path(raw_dir) / name for name in ML_100K.files)
-    num_users, num_items = ML_100K.num_users, ML_100K.num_items
+def read_release_files(
+    release: MovieLensRelease, raw_dir: Path, genre_column: str
+) -> tuple[tuple[Path, ...], dict, dict, dict]:
+    """The columns every release is built from: ((inter, item, user paths), interactions, items, users)."""
+    paths = inter_path, item_path, user_path = tuple(Path(raw_dir) / name for name in release.files)
     inter = read_atomic(inter_path, ("user_id", "item_id", "rating", "timestamp"))
-    items = read_atomic(item_path, ("item_id", "release_year", "class"))
+    items = read_atomic(item_path, ("item_id", "release_year", genre_column))
     users = read_atomic(user_path, ("user_id", "age", "gender", "occupation"))
+    return paths, inter, items, users
+
+
+def read_ml100k(raw_dir: Path) -> Ratings:
+    (inter_path, item_path, user_path), inter, items, users = read_release_files(ML_100K, raw_dir, "class")
+    num_users, num_items = ML_100K.num_users, ML_100K.num_items
 
     item_ids = parse_ints(item_path, "item_id", items["item_id"], 1, num_items)
     # Release years like "unk" are missing.
@@ -370,7 +379,9 @@ def recbole_context(ratings: Ratings, release: MovieLensRelease, config: MovieLe
     year_id = np.where(np.isnan(years), 0, 1 + np.nan_to_num(years) - FIRST_YEAR).astype(np.int64)
     if ((year_id < 0) | (year_id > 1 + LAST_YEAR - FIRST_YEAR)).any():
         bad = int(np.flatnonzero((year_id < 0) | (year_id > 1 + LAST_YEAR - FIRST_YEAR))[0])
-        raise ValueError(f"{release.folder_name}: item {bad} release_year {years[bad]} outside [{FIRST_YEAR}, {LAST_YEAR}]")
+        raise ValueError(
+            f"{release.folder_name}: item {bad} release_year {years[bad]} outside [{FIRST_YEAR}, {LAST_YEAR}]"
+        )
     schema = movielens_schema(release, config)
     columns = {}
     if release.recbole_timestamp_feature:  # RecBole normalizes float fields to [0, 1] over all interactions

@@ -27,7 +27,7 @@ from data.movielens import (
     movielens_dataset,
     parse_genres,
     parse_ints,
-    read_atomic,
+    read_release_files,
 )
 
 USER_PREFIX = "1m_"
@@ -41,11 +41,8 @@ def _user_ids(path: Path, texts: list[str]) -> np.ndarray:
 
 
 def read_ml1m(raw_dir: Path) -> Ratings:
-    inter_path, item_path, user_path = (Path(raw_dir) / name for name in ML_1M.files)
+    (inter_path, item_path, user_path), inter, items, users = read_release_files(ML_1M, raw_dir, "genre")
     num_users, num_items = ML_1M.num_users, ML_1M.num_items
-    inter = read_atomic(inter_path, ("user_id", "item_id", "rating", "timestamp"))
-    items = read_atomic(item_path, ("item_id", "release_year", "genre"))
-    users = read_atomic(user_path, ("user_id", "age", "gender", "occupation"))
 
     titles = items["item_id"]
     if len(titles) > num_items:
@@ -56,7 +53,8 @@ def read_ml1m(raw_dir: Path) -> Ratings:
         raise ValueError(f"{item_path}: item_id {duplicate!r} appears twice")
     missing = next((row for row, title in enumerate(inter["item_id"]) if title not in item_of_title), None)
     if missing is not None:
-        raise ValueError(f"{inter_path}:{missing + 2}: item_id {inter['item_id'][missing]!r} has no entry in {item_path}")
+        title = inter["item_id"][missing]
+        raise ValueError(f"{inter_path}:{missing + 2}: item_id {title!r} has no entry in {item_path}")
     item_ids = np.arange(1, len(titles) + 1)
     user_ids = _user_ids(user_path, users["user_id"])
     ratings = Ratings(

@@ -20,6 +20,7 @@ from benchmarks.compare import run
 from benchmarks.compare import verdict as compare_verdict
 from benchmarks.compare.__main__ import main as compare_main
 from benchmarks.compare.run import CompareError
+from benchmarks.quality import main as quality_main
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24  # warmup_steps(24) = 12, so 12 timed steps per run and two validations at 12 and 24
@@ -270,6 +271,15 @@ def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path):
     config = yaml.safe_load((out / "runs" / "lr-seed1" / "version_0" / "config.yaml").read_text())
     assert config["model"]["arch"] == "lr" and config["seed_everything"] == 1
     assert "## Test split" in (out / "compare.md").read_text()
+
+    assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--out", str(tmp_path / "quality")]) == 0
+    quality = json.loads((tmp_path / "quality.json").read_text())
+    models = quality["protocols"]["recbole_ml1m_context"]["models"]
+    assert sorted(models) == ["block_attention", "lr"]
+    assert models["lr"]["test_auc"] == report["test_metrics"]["lr"]["auc"]
+    assert models["block_attention"]["test_logloss"] == report["test_metrics"]["reference"]["logloss"]
+    assert quality["not_run"] == ["recbole_ml100k_context", "time_split_history"]
+    assert "| lr |" in (tmp_path / "quality.md").read_text()
 
 
 def test_variant_key_value_overrides_follow_the_passthrough_keys():

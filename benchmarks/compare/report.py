@@ -194,7 +194,9 @@ def build_report(comparison: Comparison) -> dict:
     ]
     final_metrics = {}
     for label, frame in finals.items():
-        final_metrics[label] = {metric: _seed_summary(frame[metric]) for metric in ("auc", "ne", "logloss", "calibration")}
+        final_metrics[label] = {
+            metric: _seed_summary(frame[metric]) for metric in ("auc", "ne", "logloss", "calibration")
+        }
         final_metrics[label]["at_step"] = {str(seed): int(step) for seed, step in frame["step"].items()}
     test_metrics = {}
     for label in labels:
