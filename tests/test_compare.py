@@ -272,14 +272,20 @@ def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path):
     assert config["model"]["arch"] == "lr" and config["seed_everything"] == 1
     assert "## Test split" in (out / "compare.md").read_text()
 
-    assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--out", str(tmp_path / "quality")]) == 0
+    assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--not-run", "time_split_history=too slow",
+                         "--out", str(tmp_path / "quality")]) == 0  # fmt: skip
     quality = json.loads((tmp_path / "quality.json").read_text())
     models = quality["protocols"]["recbole_ml1m_context"]["models"]
     assert sorted(models) == ["block_attention", "lr"]
-    assert models["lr"]["test_auc"] == report["test_metrics"]["lr"]["auc"]
-    assert models["block_attention"]["test_logloss"] == report["test_metrics"]["reference"]["logloss"]
-    assert quality["not_run"] == ["recbole_ml100k_context", "time_split_history"]
-    assert "| lr |" in (tmp_path / "quality.md").read_text()
+    lr_auc = report["test_metrics"]["lr"]["auc"]
+    assert models["lr"]["test_auc"] == {"mean": lr_auc["mean"], "std": lr_auc["std"], "seeds": [0, 1],
+                                        "per_seed": [lr_auc["per_seed"]["0"], lr_auc["per_seed"]["1"]]}
+    assert models["block_attention"]["test_logloss"]["mean"] == report["test_metrics"]["reference"]["logloss"]["mean"]
+    assert quality["protocols"]["time_split_history"] == {"models": {}, "not_run": "too slow"}
+    assert quality["protocols"]["recbole_ml100k_context"]["not_run"] == "no comparison folder was given"
+    markdown = (tmp_path / "quality.md").read_text()
+    assert "| lr |" in markdown and "Not run: too slow" in markdown
+    assert f"0.8699 ({lr_auc['mean'] - 0.8699:+.4f})" in markdown  # next to RecBole's LR on this protocol
 
 
 def test_variant_key_value_overrides_follow_the_passthrough_keys():
