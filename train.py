@@ -41,12 +41,15 @@ from data.batch import Batch
 from data.datamodule import CTRDataModule
 from data.schema import FeatureSchema
 from models import RankingModel, RankingModelConfig
+from models.baselines import BASELINE_ARCHS, BaselineConfig, BaselineModel
 from models.flops import sample_token_counts, train_step_flops
 from models import memory
 from training.callbacks import CheckpointConfig, LastCheckpoint, RunProgressBar, StepMetrics, continue_metrics
 from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
+BLOCK_ATTENTION = "block_attention"
+ARCHS = (BLOCK_ATTENTION, *BASELINE_ARCHS)
 
 
 @dataclass
@@ -77,10 +80,13 @@ class RankingTask(L.LightningModule):
     Args:
         schema: the dataset's features, FeatureSchema.to_dict's form (linked from the data module, never
             set in a config). Plain data, so checkpoints hold no classes and load with weights_only=True.
-        net: the model's sizes, attention backend and compilation.
+        net: the block-attention model's sizes, attention backend and compilation.
         optim: optimizer and learning-rate schedule.
         peak_flops: the FLOP/s MFU is measured against; None = the device's dense bf16/fp16 datasheet
             peak when training runs in bf16/fp16 on a known GPU (H100, H200, A100), else no MFU.
+        arch: the architecture: block_attention (models/ranking.py, sized by `net`) or a baseline
+            (models/baselines.py, sized by `baseline`): lr, dlrm, dcnv2, deepfm.
+        baseline: the baselines' sizes.
     """
 
     def __init__(
@@ -89,13 +95,16 @@ class RankingTask(L.LightningModule):
         net: RankingModelConfig = RankingModelConfig(),
         optim: OptimConfig = OptimConfig(),
         peak_flops: float | None = None,
+        arch: Literal[ARCHS] = BLOCK_ATTENTION,
+        baseline: BaselineConfig = BaselineConfig(),
     ):
         super().__init__()
         # The resolved config.yaml in the run folder is the readable record; the
         # checkpoint keeps these so RankingTask.load_from_checkpoint rebuilds the model.
         self.save_hyperparameters(logger=False)
         self.optim_config = optim
-        self.model = RankingModel(FeatureSchema.from_dict(schema), net)
+        schema = FeatureSchema.from_dict(schema)
+        self.model = RankingModel(schema, net) if arch == BLOCK_ATTENTION else BaselineModel(schema, arch, baseline)
         self.val_logloss = MeanMetric()
         self.val_ctr = MeanMetric()
         self.val_mean_prediction = MeanMetric()
@@ -103,6 +112,8 @@ class RankingTask(L.LightningModule):
 
     def step_flops(self, batch: Batch) -> tuple[int, int]:
         """(tokens, training FLOPs) of a batch, from its host-side lengths: no device read."""
+        if isinstance(self.model, BaselineModel):  # no tokens; FLOPs per sample
+            return 0, self.model.train_step_flops(batch.batch_size)
         history = batch.history_lengths
         if history is None:  # a Batch built by hand rather than by the collate: read the lengths
             lengths = batch.sequence.lengths().view(-1, batch.batch_size) if batch.sequence.keys() else None
@@ -153,6 +164,13 @@ class RankingTask(L.LightningModule):
         return outputs.get("steps") or [{"loss": outputs["loss"], "batch": batch}]
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.score(batch)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self.score(batch)
+
+    def score(self, batch: Batch) -> None:
+        """Adds a validation or test batch's predictions to the metrics."""
         if self.model.config.compile and "reduce-overhead" in self.model.config.compile_mode:
             torch.compiler.cudagraph_mark_step_begin()
         logits, _ = self.model(batch)
@@ -164,18 +182,25 @@ class RankingTask(L.LightningModule):
         self.val_auc.update(predictions, labels.long())
 
     def on_validation_epoch_end(self) -> None:
+        self.log_scores("val")
+
+    def on_test_epoch_end(self) -> None:
+        self.log_scores("test")
+
+    def log_scores(self, prefix: str) -> None:
+        """Logs <prefix>/logloss, ne, auc and calibration of the batches scored since the last call."""
         # torchmetrics reduces across processes (every rank's predictions count once).
         logloss, ctr = self.val_logloss.compute(), self.val_ctr.compute()
-        # Normalized entropy: log loss over that of always predicting the validation CTR
+        # Normalized entropy: log loss over that of always predicting the scored split's CTR
         # (the label entropy); below 1 means the model beats the base rate.
         p = ctr.clamp(1e-7, 1 - 1e-7)
         base_rate_logloss = -(p * torch.log(p) + (1 - p) * torch.log(1 - p))
         self.log_dict(
             {
-                "val/logloss": logloss,
-                "val/ne": logloss / base_rate_logloss,
-                "val/auc": self.val_auc.compute(),
-                "val/calibration": self.val_mean_prediction.compute() / ctr,
+                f"{prefix}/logloss": logloss,
+                f"{prefix}/ne": logloss / base_rate_logloss,
+                f"{prefix}/auc": self.val_auc.compute(),
+                f"{prefix}/calibration": self.val_mean_prediction.compute() / ctr,
             },
             prog_bar=True,
         )
@@ -352,9 +377,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_float32_matmul_precision("high")
     # Fail before any data is prepared if the chosen kernel cannot run on this device.
     try:
-        kernels.check_backend(task.model.config.attn_backend, trainer.strategy.root_device)
-        if task.model.config.fused_mlp:
-            kernels.check_mlp_backend(task.model.config.mlp_backend, trainer.strategy.root_device)
+        if isinstance(task.model, RankingModel):
+            kernels.check_backend(task.model.config.attn_backend, trainer.strategy.root_device)
+            if task.model.config.fused_mlp:
+                kernels.check_mlp_backend(task.model.config.mlp_backend, trainer.strategy.root_device)
     except kernels.BackendUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -380,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(128 + signal.SIGTERM) from None
     if cli.config.baseline:
         report_baseline(trainer, datamodule, Path(trainer.loggers[0].log_dir))
+    if datamodule.has_test_split:
+        report_test(trainer, task, datamodule, Path(trainer.loggers[0].log_dir))
     if trainer.is_global_zero:
         report_run(trainer)
 
@@ -418,6 +446,18 @@ def report_run(trainer: L.Trainer) -> None:
           f"  best checkpoint (lowest val/ne): {best or 'none (no validation ran)'}\n"
           f"  last checkpoint: {last or 'none'} (resume: --ckpt_path last)\n"
           f"  tensorboard --logdir {run_dir.parent}")
+
+
+def report_test(trainer: L.Trainer, task: RankingTask, datamodule: CTRDataModule, run_dir: Path) -> None:
+    """Scores the test split once, with the checkpoint of the best validation (lowest val/ne): the test
+    part plays no role in choosing it. test.json holds the scores and which checkpoint made them."""
+    best = next((c.best_model_path for c in trainer.checkpoint_callbacks
+                 if not isinstance(c, LastCheckpoint) and c.monitor == "val/ne"), "")
+    (scores,) = trainer.test(task, datamodule=datamodule, ckpt_path=best or None, weights_only=True, verbose=False)
+    result = {"checkpoint": best or "the final weights (no validation ran)", **{k: float(v) for k, v in scores.items()}}
+    if trainer.is_global_zero:
+        (run_dir / "test.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"test AUC {result['test/auc']:.4f}, log loss {result['test/logloss']:.4f} ({result['checkpoint']})")
 
 
 def report_baseline(trainer: L.Trainer, datamodule: CTRDataModule, run_dir: Path) -> None:

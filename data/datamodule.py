@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from data.batch import ArrowBatchCollator
 from data.registry import DataArgs, dataset_spec
 from data.schema import FeatureSchema
-from data.storage import load_split, read_meta
+from data.storage import TEST_SPLIT, load_split, read_meta
 from data.validation import validate_table
 
 log = logging.getLogger(__name__)
@@ -93,13 +93,17 @@ class CTRDataModule(lightning.LightningDataModule):
     """
     Args:
         dataset: "synthetic" (generated), "criteo" (data_dir is the folder written by
-            `python -m data.prepare criteo --out ...`) or "movielens100k" (fetched and prepared on first use).
-        data_dir: cache root for synthetic/movielens100k, the prepared folder for criteo.
+            `python -m data.prepare criteo --out ...`), "movielens100k" or "movielens1m" (fetched and
+            prepared on first use).
+        protocol: the dataset's named split (None: its default). MovieLens: "time_split_history" (default)
+            or "recbole_context" (RecBole's random 8:1:1 train/validation/test split, seeded by `seed`).
+            A split with a test part is scored on it after training (train.py).
+        data_dir: cache root for synthetic/movielens*, the prepared folder for criteo.
         num_train, num_val: rows to generate (synthetic); at most this many rows, 0 = all (real datasets).
         num_dense, num_categorical: synthetic feature counts (num_categorical >= 3).
         vocab_size: rows of each hashed categorical table (synthetic, and criteo's --table-size).
         num_items: synthetic item vocabulary (candidate item and history).
-        max_history_len: longest history kept (synthetic, movielens100k).
+        max_history_len: longest history kept (synthetic, MovieLens time_split_history).
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class CTRDataModule(lightning.LightningDataModule):
         batch_size: int = 256,
         num_workers: int = 0,
         seed: int = 0,
+        protocol: str | None = None,
         num_dense: int = 8,
         num_categorical: int = 6,
         vocab_size: int = 1000,
@@ -118,7 +123,7 @@ class CTRDataModule(lightning.LightningDataModule):
         max_history_len: int = 256,
     ):
         super().__init__()
-        self.spec = dataset_spec(dataset)  # raises ValueError naming the registered datasets
+        self.spec = dataset_spec(dataset, protocol)  # raises ValueError naming what is registered
         if batch_size < 1 or num_workers < 0 or num_train < 0 or num_val < 0:
             raise ValueError(
                 f"need batch_size >= 1, num_workers >= 0, num_train >= 0, num_val >= 0; got "
@@ -127,7 +132,7 @@ class CTRDataModule(lightning.LightningDataModule):
         self.args = DataArgs(
             data_dir=Path(data_dir), num_train=num_train, num_val=num_val, seed=seed, num_dense=num_dense,
             num_categorical=num_categorical, vocab_size=vocab_size, num_items=num_items,
-            max_history_len=max_history_len,
+            max_history_len=max_history_len, protocol=protocol,
         )
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -156,6 +161,8 @@ class CTRDataModule(lightning.LightningDataModule):
                 f"re-prepare the data or change the arguments (e.g. data.vocab_size)"
             )
         limits = {"train": self.args.num_train, "validation": self.args.num_val}
+        if (folder / TEST_SPLIT).is_dir():
+            limits[TEST_SPLIT] = 0  # a test score counts every row
         for split, limit in limits.items():
             rows = load_split(folder, split)
             if not self.spec.generated and 0 < limit < len(rows):
@@ -199,6 +206,15 @@ class CTRDataModule(lightning.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("validation", shuffle=False)
+
+    @property
+    def has_test_split(self) -> bool:
+        return TEST_SPLIT in self.splits
+
+    def test_dataloader(self) -> DataLoader:
+        if not self.has_test_split:
+            raise RuntimeError(f"{self.prepared_folder()} has no {TEST_SPLIT!r} split (its protocol holds none out)")
+        return self._loader(TEST_SPLIT, shuffle=False)
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         # Counted as a training step takes the batch, not as the loader yields it: Lightning fetches

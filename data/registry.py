@@ -14,6 +14,7 @@ DATASET_MODULES = {
     "synthetic": "data.synthetic",
     "criteo": "data.criteo",
     "movielens100k": "data.movielens",
+    "movielens1m": "data.movielens1m",
 }
 
 
@@ -30,6 +31,7 @@ class DataArgs:
     vocab_size: int
     num_items: int
     max_history_len: int
+    protocol: str | None  # a dataset's named split protocol; None = its default
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,15 @@ class DatasetSpec:
     # True: num_train/num_val generate that many rows. False: they keep the first rows of the prepared
     # splits (0 = all).
     generated: bool = False
+    # The named split protocols it offers (data.protocol), the default first; empty: just its own split.
+    protocols: tuple[str, ...] = ()
 
 
-def dataset_spec(name: str) -> DatasetSpec:
+def dataset_spec(name: str, protocol: str | None = None) -> DatasetSpec:
     if name not in DATASET_MODULES:
         raise ValueError(f"dataset={name!r} is not one of {tuple(DATASET_MODULES)}")
-    return importlib.import_module(DATASET_MODULES[name]).DATASET
+    spec = importlib.import_module(DATASET_MODULES[name]).DATASET
+    if protocol is not None and protocol not in spec.protocols:
+        offered = f"one of {spec.protocols}" if spec.protocols else "null: it has one split of its own"
+        raise ValueError(f"protocol={protocol!r}: for dataset={name!r} it must be {offered}")
+    return spec

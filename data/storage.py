@@ -3,6 +3,7 @@
     <folder>/meta.json                     schema and how the data was made
     <folder>/train/part-00000.parquet ...
     <folder>/validation/part-00000.parquet ...
+    <folder>/test/part-00000.parquet ...   only for protocols with a held-out test split
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 from data.schema import FeatureSchema
 
 SPLITS = ("train", "validation")
+TEST_SPLIT = "test"  # optional: scored once, after training, by the checkpoint validation chose
 META_FILE = "meta.json"
 # Every shard writer uses this, so all datasets read back with the same granularity.
 ROW_GROUP_SIZE = 64 * 1024
@@ -67,10 +69,12 @@ def staged_folder(folder: Path) -> Iterator[Path]:
 
 def write_prepared(folder: Path, splits: dict[str, pa.Table], schema: FeatureSchema, **details) -> None:
     """Publish in-memory tables (one shard per split) and meta.json as the prepared folder `folder`."""
-    if sorted(splits) != sorted(SPLITS):
-        raise ValueError(f"write_prepared({folder}): got splits {sorted(splits)}, need exactly {list(SPLITS)}")
+    if sorted(set(splits) - {TEST_SPLIT}) != sorted(SPLITS):
+        raise ValueError(f"write_prepared({folder}): got splits {sorted(splits)}, need {list(SPLITS)} "
+                         f"and optionally {TEST_SPLIT!r}")
     with staged_folder(folder) as staging:
         for split, table in splits.items():
+            shard_path(staging, split, 0).parent.mkdir(exist_ok=True)
             write_shard(table, shard_path(staging, split, 0))
         write_meta(staging, schema, **details)
 

@@ -20,6 +20,7 @@ from benchmarks.compare import run
 from benchmarks.compare import verdict as compare_verdict
 from benchmarks.compare.__main__ import main as compare_main
 from benchmarks.compare.run import CompareError
+from benchmarks.quality import main as quality_main
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24  # warmup_steps(24) = 12, so 12 timed steps per run and two validations at 12 and 24
@@ -246,6 +247,47 @@ def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(
     assert "- variant reference_sharded: reference with configs/sharded.yaml" in (out / "compare.md").read_text()
 
 
+def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path):
+    """model.arch as a --variant, on a protocol with a test split (the MovieLens-1M fixture): compare.md
+    and compare.json give each group's test AUC and log loss, mean and std over the seeds."""
+    (tmp_path / "cache" / "raw").mkdir(parents=True)
+    shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "cache" / "raw" / "ml-1m")
+    out = tmp_path / "out"
+    args = ["--attn", "reference", "--variant", "lr", "reference", "configs/lr.yaml", "--config", "configs/tiny.yaml",
+            "--steps", "10", "--seeds", "2", "--trainer.val_check_interval=5", "--data.dataset=movielens1m",
+            "--data.protocol=recbole_context", "--data.num_train=0", "--data.num_val=0", "--data.batch_size=16",
+            "--out", str(out), f"--data.data_dir={tmp_path / 'cache'}"]  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "benchmarks.compare", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "compare.json").read_text())
+    assert sorted(report["test_metrics"]) == ["lr", "reference"]
+    for label, metrics in report["test_metrics"].items():
+        scores = [json.loads((out / "runs" / f"{label}-seed{seed}" / "version_0" / "test.json").read_text())
+                  for seed in (0, 1)]  # fmt: skip
+        assert metrics["auc"]["per_seed"] == {str(seed): s["test/auc"] for seed, s in enumerate(scores)}
+        assert metrics["logloss"]["mean"] == pytest.approx(np.mean([s["test/logloss"] for s in scores]))
+        assert metrics["auc"]["std"] == pytest.approx(np.std([s["test/auc"] for s in scores], ddof=1))
+    config = yaml.safe_load((out / "runs" / "lr-seed1" / "version_0" / "config.yaml").read_text())
+    assert config["model"]["arch"] == "lr" and config["seed_everything"] == 1
+    assert "## Test split" in (out / "compare.md").read_text()
+
+    assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--not-run", "time_split_history=too slow",
+                         "--out", str(tmp_path / "quality")]) == 0  # fmt: skip
+    quality = json.loads((tmp_path / "quality.json").read_text())
+    models = quality["protocols"]["recbole_ml1m_context"]["models"]
+    assert sorted(models) == ["block_attention", "lr"]
+    lr_auc = report["test_metrics"]["lr"]["auc"]
+    assert models["lr"]["test_auc"] == {"mean": lr_auc["mean"], "std": lr_auc["std"], "seeds": [0, 1],
+                                        "per_seed": [lr_auc["per_seed"]["0"], lr_auc["per_seed"]["1"]]}
+    assert models["block_attention"]["test_logloss"]["mean"] == report["test_metrics"]["reference"]["logloss"]["mean"]
+    assert quality["protocols"]["time_split_history"] == {"models": {}, "not_run": "too slow"}
+    assert quality["protocols"]["recbole_ml100k_context"]["not_run"] == "no comparison folder was given"
+    markdown = (tmp_path / "quality.md").read_text()
+    assert "| lr |" in markdown and "Not run: too slow" in markdown
+    assert f"0.8699 ({lr_auc['mean'] - 0.8699:+.4f})" in markdown  # next to RecBole's LR on this protocol
+
+
 def test_variant_key_value_overrides_follow_the_passthrough_keys():
     """A --variant item KEY=VALUE (the unfused tower next to the fused one, say) reaches its runs as
     --KEY=VALUE after the comparison's extra arguments, so the variant's value wins; files stay --config."""
@@ -264,7 +306,7 @@ def test_variant_key_value_overrides_follow_the_passthrough_keys():
     "argv, message",
     [
         (["--attn", "bogus", "reference"], "invalid choice: 'bogus'"),
-        (["--attn", "reference"], "at least two backends"),
+        (["--attn", "reference"], "at least two groups of runs"),
         (["--attn", "tlx", "reference", "--config", "configs/tiny.yaml"], "'tlx' cannot run here"),
         (["--attn", "reference", "reference", "--seed_everything=3"], "sets --seed_everything itself"),
         (["--attn", "reference", "reference", "--model.net.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),

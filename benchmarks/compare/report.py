@@ -38,6 +38,7 @@ class Run:
     stderr_tail: list[str]
     train: pd.DataFrame | None  # per-step rows, index = step
     validation: pd.DataFrame | None  # one row per validation, index = step
+    test: dict | None = None  # train.py's test.json: the held-out split, scored by the best validation's checkpoint
 
 
 @dataclass
@@ -95,7 +96,8 @@ def _load_run(settings: dict, label: str, backend: str, seed: int) -> Run:
         if differences:
             raise CompareError(f"run {run_dir} was trained with a different config: {'; '.join(differences[:8])}")
     train, validation = _read_metrics(folder / "metrics.csv")
-    return Run(label, backend, seed, "ok", returncode, wall_s, started, folder, tail, train, validation)
+    test = json.loads((folder / "test.json").read_text()) if (folder / "test.json").exists() else None
+    return Run(label, backend, seed, "ok", returncode, wall_s, started, folder, tail, train, validation, test)
 
 
 def load_comparison(out: str | Path) -> Comparison:
@@ -193,14 +195,17 @@ def build_report(comparison: Comparison) -> dict:
     final_metrics = {}
     for label, frame in finals.items():
         final_metrics[label] = {
-            metric: {
-                "mean": float(frame[metric].mean()) if len(frame) else None,
-                "std": float(frame[metric].std(ddof=1)) if len(frame) >= 2 else None,
-                "per_seed": {str(seed): float(value) for seed, value in frame[metric].items()},
-            }
-            for metric in ("auc", "ne", "logloss", "calibration")
+            metric: _seed_summary(frame[metric]) for metric in ("auc", "ne", "logloss", "calibration")
         }
         final_metrics[label]["at_step"] = {str(seed): int(step) for seed, step in frame["step"].items()}
+    test_metrics = {}
+    for label in labels:
+        tests = {r.seed: r.test for r in comparison.runs if r.label == label and r.status == "ok" and r.test}
+        if tests:
+            test_metrics[label] = {
+                metric: _seed_summary(pd.Series({seed: test[f"test/{metric}"] for seed, test in tests.items()}))
+                for metric in ("auc", "logloss")
+            }
     return {
         "command": settings["command"],
         "date": settings["date"],
@@ -229,6 +234,8 @@ def build_report(comparison: Comparison) -> dict:
             for label in labels
         },
         "final_metrics": final_metrics,
+        # Only for data whose protocol holds out a test split (data.protocol=recbole_context).
+        "test_metrics": test_metrics,
         "parity": parity_verdict(loss_frames(comparison), finals, baseline, warmup, problems),
         "kernel_parity": comparison.kernel_parity,
         "runs": [
@@ -239,6 +246,15 @@ def build_report(comparison: Comparison) -> dict:
             }
             for r in comparison.runs
         ],
+    }
+
+
+def _seed_summary(values: pd.Series) -> dict:
+    """Mean, sample std (from two seeds) and the per-seed values of one metric, seeds as the index."""
+    return {
+        "mean": float(values.mean()) if len(values) else None,
+        "std": float(values.std(ddof=1)) if len(values) >= 2 else None,
+        "per_seed": {str(seed): float(value) for seed, value in values.items()},
     }
 
 
@@ -276,6 +292,12 @@ def final_metrics_table(report: dict) -> pd.DataFrame:
         row.update({name: _mean_std(metrics[name]) for name in ("auc", "ne", "logloss", "calibration")})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def test_metrics_table(report: dict) -> pd.DataFrame:
+    return pd.DataFrame([{"backend": label, "test AUC": _mean_std(metrics["auc"]),
+                          "test log loss": _mean_std(metrics["logloss"]), "seeds": len(metrics["auc"]["per_seed"])}
+                         for label, metrics in report.get("test_metrics", {}).items()])  # fmt: skip
 
 
 def parity_table(report: dict) -> pd.DataFrame:
@@ -415,6 +437,18 @@ def render_markdown(report: dict) -> str:
         "",
         markdown_table(final_metrics_table(report)),
         "",
+    ]
+    if report.get("test_metrics"):
+        lines += [
+            "## Test split",
+            "",
+            "The held-out test part of the data's protocol, scored once per run by the checkpoint with the best "
+            "validation (lowest val/ne); mean ± sample std over seeds:",
+            "",
+            markdown_table(test_metrics_table(report)),
+            "",
+        ]
+    lines += [
         "## Kernel parity",
         "",
     ]

@@ -174,8 +174,8 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
         f"`{prog} report OUT` re-renders the report of an existing --out folder.",
     )
     parser.add_argument("--attn", nargs="+", required=True, choices=COMPARABLE_BACKENDS, metavar="BACKEND",
-                        help=f"two or more of {', '.join(COMPARABLE_BACKENDS)}; "
-                        "naming one twice compares it with itself")
+                        help=f"one or more of {', '.join(COMPARABLE_BACKENDS)} (two or more groups of runs with "
+                        "--variant); naming one twice compares it with itself")
     parser.add_argument("--config", action="append", default=[], help="train.py config file(s), as for train.py")
     parser.add_argument(
         "--variant", action="append", nargs="+", default=[], metavar="LABEL BACKEND CONFIG",
@@ -187,8 +187,9 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every backend (default 3)")
     parser.add_argument("--out", required=True, type=Path, help="output folder")
     args, passthrough = parser.parse_known_args(argv)
-    if len(args.attn) < 2:
-        parser.error("--attn needs at least two backends (name one twice to compare it with itself)")
+    if len(args.attn) + len(args.variant) < 2:
+        parser.error("--attn and --variant need at least two groups of runs between them "
+                     "(name one backend twice to compare it with itself)")
     if args.seeds < 1 or (args.steps is not None and args.steps < 1):
         parser.error(f"--seeds and --steps must be >= 1, got --seeds {args.seeds} --steps {args.steps}")
     if passthrough and not passthrough[0].startswith("--"):
