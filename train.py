@@ -419,10 +419,13 @@ def check_training_memory(model, batch_size: int, trainer: L.Trainer, config) ->
     if config.memory_limit_gib == 0 or config.trainer.strategy == "torchrec":  # fused sparse optimizers
         return
     device = trainer.strategy.root_device
-    net, schema = model.config, model.schema
-    tokens_per_sample = model.tower.num_fixed_tokens + sum(max_len for _, _, max_len in schema.sequence)
-    estimate = memory.estimate_training_memory(model, batch_size * tokens_per_sample, net.d_model,
-                                               net.num_layers, net.mlp_ratio)
+    if isinstance(model, RankingModel):
+        net = model.config
+        tokens_per_sample = model.tower.num_fixed_tokens + sum(max_len for _, _, max_len in model.schema.sequence)
+        estimate = memory.estimate_training_memory(model, batch_size * tokens_per_sample, net.d_model,
+                                                   net.num_layers, net.mlp_ratio)
+    else:  # a baseline: no tokens, and activations of a few hundred values a sample
+        estimate = memory.estimate_training_memory(model, 0, 0, 0, 0)
     held = 4 * estimate.parameters if device.type == "cpu" else 0  # fp32 weights, built on the CPU
     if config.memory_limit_gib is not None:
         limit, where = int(config.memory_limit_gib * memory.GIB) - held, "--memory_limit_gib"
