@@ -99,8 +99,14 @@ class CTRDataModule(lightning.LightningDataModule):
             or "recbole_context" (RecBole's random 8:1:1 train/validation/test split, seeded by `seed`).
             A split with a test part is scored on it after training (train.py).
         data_dir: cache root for synthetic/movielens*, the prepared folder for criteo.
-        num_train, num_val: rows to generate (synthetic); at most this many rows, 0 = all (real datasets).
-        num_dense, num_categorical: synthetic feature counts (num_categorical >= 3).
+        num_train: training rows to generate (synthetic); at most this many, 0 = all (real datasets).
+        num_val: validation rows to generate (synthetic); at most this many, 0 = all (real datasets).
+        batch_size: rows per batch, per process (the global batch is world_size times it).
+        num_workers: DataLoader worker processes collating batches (0: in the training process).
+        seed: the data's seed: synthetic generation, the training order of every epoch, and the random
+            split of a protocol that has one; the model's initialization is seed_everything's.
+        num_dense: dense features to generate (synthetic).
+        num_categorical: categorical features to generate (synthetic; at least 3).
         vocab_size: rows of each hashed categorical table (synthetic, and criteo's --table-size).
         num_items: synthetic item vocabulary (candidate item and history).
         max_history_len: longest history kept (synthetic, MovieLens time_split_history).

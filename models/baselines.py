@@ -59,7 +59,8 @@ class BaselineConfig:
             (deepfm's deep part); a last layer of width 1 is added.
         dcn_num_layers: cross layers (dcnv2).
         dcn_low_rank_dim: rank of each cross layer's weight (dcnv2); 0 = full rank.
-        compile, compile_mode: torch.compile the tower, as RankingModelConfig's.
+        compile: torch.compile the tower after the embedding lookups, as RankingModelConfig's.
+        compile_mode: torch.compile's mode for it ("default", "reduce-overhead", "max-autotune").
     """
 
     embedding_dim: int = 16

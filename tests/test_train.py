@@ -159,6 +159,11 @@ def test_help_lists_every_config_key():
                 "--model.net.compile", "--model.optim.lr", "--model.optim.fused", "--model.peak_flops",
                 "--data.batch_size", "--data.max_history_len", "--trainer.max_steps", "--trainer.precision"):
         assert key in result.stdout, key
+    # Every data and model key says what it is: argparse puts a key's description before "(type: ...".
+    entries = re.findall(r"^  (--(?:data|model)\.[\w.]+)(?: \S+)?\s+(.*?)(?=^  --|\Z)", result.stdout, re.M | re.S)
+    assert len(entries) > 20
+    undescribed = [key for key, text in entries if " ".join(text.split()).startswith("(type:")]
+    assert not undescribed, undescribed
 
 
 @pytest.mark.parametrize(
