@@ -271,6 +271,9 @@ def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path):
     config = yaml.safe_load((out / "runs" / "lr-seed1" / "version_0" / "config.yaml").read_text())
     assert config["model"]["arch"] == "lr" and config["seed_everything"] == 1
     assert "## Test split" in (out / "compare.md").read_text()
+    assert "**Parity: not judged**: the groups are different architectures (reference: block_attention, lr: lr)" in (
+        out / "compare.md").read_text()
+    assert report["parity"]["judged"] is False and report["parity"]["pass"] and result.returncode == 0
 
     assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--not-run", "time_split_history=too slow",
                          "--out", str(tmp_path / "quality")]) == 0  # fmt: skip

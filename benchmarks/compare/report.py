@@ -236,7 +236,8 @@ def build_report(comparison: Comparison) -> dict:
         "final_metrics": final_metrics,
         # Only for data whose protocol holds out a test split (data.protocol=recbole_context).
         "test_metrics": test_metrics,
-        "parity": parity_verdict(loss_frames(comparison), finals, baseline, warmup, problems),
+        "parity": architecture_aware(parity_verdict(loss_frames(comparison), finals, baseline, warmup, problems),
+                                     settings, labels),
         "kernel_parity": comparison.kernel_parity,
         "runs": [
             {
@@ -356,9 +357,31 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def architecture_aware(parity: dict, settings: dict, labels: list[str]) -> dict:
+    """Groups of different architectures (model.arch) are not expected to train alike: no parity
+    verdict for them, and the comparison passes when every run finished."""
+    resolved = {label: settings.get("variant_resolved", {}).get(label, settings["resolved_config"]) for label in labels}
+    architectures = {label: config.get("model.arch", "block_attention") for label, config in resolved.items()}
+    if len(set(architectures.values())) < 2:
+        return parity
+    return {**parity, "judged": False, "pass": not parity["problems"], "architectures": architectures}
+
+
+def parity_word(parity: dict) -> str:
+    if parity.get("judged") is False:
+        return "not judged"
+    return "PASS" if parity["pass"] else "FAIL"
+
+
 def verdict_markdown(report: dict) -> str:
     parity = report["parity"]
-    lines = [f"**Parity: {'PASS' if parity['pass'] else 'FAIL'}** against `{parity['baseline']}`."]
+    if parity.get("judged") is False:
+        archs = ", ".join(f"{label}: {arch}" for label, arch in parity["architectures"].items())
+        lines = [f"**Parity: not judged**: the groups are different architectures ({archs}), so their losses "
+                 "are not expected to match; compare them by the metrics below."]
+        lines += [f"- {problem}" for problem in parity["problems"]]
+        return "\n".join(lines)
+    lines = [f"**Parity: {parity_word(parity)}** against `{parity['baseline']}`."]
     lines += [f"- {problem}" for problem in parity["problems"]]
     for label, entry in parity["backends"].items():
         if not entry["loss_pass"]:
@@ -497,7 +520,7 @@ def plot_loss_curves(comparison: Comparison, report: dict) -> Figure:
     top.set_ylabel("train loss (smoothed)")
     top.set_title(
         f"{' vs '.join(report['backends'])}: mean and min-max over seeds; grey = warmup, not judged "
-        f"({'PASS' if report['parity']['pass'] else 'FAIL'})"
+        f"({parity_word(report['parity'])})"
     )
     if top.lines:
         top.legend(loc="upper right")
