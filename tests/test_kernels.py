@@ -56,7 +56,7 @@ def random_qkv(total, heads, dim, dtype=torch.float64, device="cpu", seed=0):
     return [torch.randn(total, heads, dim, generator=g, dtype=dtype).to(device).requires_grad_() for _ in range(3)]
 
 
-@pytest.mark.parametrize("lengths", [RAGGED_LENGTHS, [64, 64], [5], [0, 0, 130], [129, 0, 1]])
+@pytest.mark.parametrize("lengths", [RAGGED_LENGTHS, [64, 64], [5], [9, 12, 3, 0], [0, 0, 130], [129, 0, 1]])
 @pytest.mark.parametrize("heads,dim", [(1, 16), (3, 32)])
 def test_reference_matches_naive_loop_forward_and_gradients(lengths, heads, dim):
     offsets = offsets_from_lengths(lengths)
