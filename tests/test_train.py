@@ -278,7 +278,7 @@ def test_step_metrics_reads_only_the_events_of_finished_windows(monkeypatch):
 def test_progress_bar_loss_is_handed_to_lightning_on_the_host(monkeypatch):
     """StepMetrics shows the loss through `pl_module.log` as a CPU tensor. Lightning puts a logged
     float on the module's device and converts it back for the progress bar after every step: on the
-    H200 that was a host wait per step (benchmarks/results/README.md, fourth session)."""
+    H200 that was a host wait per step (profile_step_waits_*_h200.md, committed in 70f4175, now in git history)."""
     _, shown = drive_step_metrics(monkeypatch, num_steps=8, log_every=2)
     assert shown and all(isinstance(loss, torch.Tensor) and loss.device.type == "cpu" for loss in shown)
 
