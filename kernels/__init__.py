@@ -15,7 +15,7 @@ from .dispatch import (
 )
 from .mlp_dispatch import MLP_BACKENDS, check_mlp_backend, mlp_sublayer
 from .mlp_sublayer_reference import mlp_sublayer_reference
-from .reference import block_attention_reference
+from .block_attention_reference import block_attention_reference
 from .rotary import Rotary, apply_rotary, rotary_tables
 
 __all__ = [

@@ -1,8 +1,9 @@
 """One entry point, `block_attention`, that validates inputs once and routes by backend name.
 
-Each backend is one module exporting `BACKEND` (kernels.backend.Backend); adding one is a module
-plus one `BACKEND_MODULES` line. Modules are imported on first use, so importing `kernels` never
-touches a GPU driver or needs Triton/TLX to be installed.
+Backend <name> is the module kernels/block_attention_<name>.py, exporting `BACKEND`
+(kernels.backend.Backend); adding one is that module plus its name in `BACKEND_MODULES`. Modules are
+imported on first use, so importing `kernels` never touches a GPU driver or needs Triton/TLX to be
+installed.
 """
 
 import importlib
@@ -19,13 +20,8 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run on this machine (missing device, driver or package)."""
 
 
-BACKEND_MODULES = {
-    "reference": "kernels.reference",
-    "fa2": "kernels.fa2",
-    "flex": "kernels.flex",  # a peer, as fa2 is: never picked by `auto`
-    "triton": "kernels.triton_block_attention",
-    "tlx": "kernels.tlx_block_attention",
-}
+# flex is a peer, as fa2 is: never picked by `auto`.
+BACKEND_MODULES = {name: f"kernels.block_attention_{name}" for name in ("reference", "fa2", "flex", "triton", "tlx")}
 BACKENDS = ("auto", *BACKEND_MODULES)
 # What `auto` tries, fastest first, on a GPU (on a CPU it takes the reference alone: the Triton
 # interpreter is for tests and runs only when asked for by name). Measured on an H200: at head_dim

@@ -44,7 +44,7 @@ except ImportError:  # plain triton (no extra.tlx) or no triton at all: the back
 
 from .backend import launch_overrides
 from .mlp_dispatch import MlpBackend, mlp_kernel_ops
-from .tlx_block_attention import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
+from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
 
 SUPPORTED_D_MODELS = (64, 128, 256)
 SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)

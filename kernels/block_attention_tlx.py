@@ -38,7 +38,7 @@ try:
     import triton.language.extra.tlx as tlx
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .triton_block_attention import rotate_pairs  # one rotary tile helper for both kernels
+    from .block_attention_triton import rotate_pairs  # one rotary tile helper for both kernels
 
     HAS_TLX = True
     # Triton 3.8's layouts put a conversion between the rotated pairs' join and the reshape that
