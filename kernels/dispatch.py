@@ -8,6 +8,7 @@ installed.
 
 import importlib
 import warnings
+from typing import Literal
 
 import torch
 
@@ -23,6 +24,9 @@ class BackendUnavailableError(RuntimeError):
 # flex is a peer, as fa2 is: never picked by `auto`.
 BACKEND_MODULES = {name: f"kernels.block_attention_{name}" for name in ("reference", "fa2", "flex", "triton", "tlx")}
 BACKENDS = ("auto", *BACKEND_MODULES)
+# The type of a config field that names a backend (train.py's --attn, RankingModelConfig.attn_backend):
+# jsonargparse lists these values in --help and rejects any other.
+AttentionBackend = Literal[BACKENDS]
 # What `auto` tries, fastest first, on a GPU (on a CPU it takes the reference alone: the Triton
 # interpreter is for tests and runs only when asked for by name). Measured on an H200: at head_dim
 # 128 the TLX kernels are faster than the Triton ones eager and replayed from CUDA graphs
