@@ -6,8 +6,8 @@
     python -m benchmarks.bench_attention --out /tmp/attention_graph --graph           # + CUDA-graph replay
 
 With --graph, fwd and fwd+bwd are also captured in a CUDA graph and timed by replaying it: the
-device time alone, without the host work of a Python call (which for a ~0.3 ms forward can be as
-long as the kernel); graph bwd = graph fwd+bwd - graph fwd.
+device time alone, without the host work of a Python call (which for a sub-millisecond forward can
+be as long as the kernel); graph bwd = graph fwd+bwd - graph fwd.
 
 Times fwd, bwd and fwd+bwd, with and without rotary, of every implementation on every shape, and
 writes <out>.json (one row per impl x shape x pass x rotary) and <out>.md. benchmarks/README.md

@@ -31,9 +31,8 @@ AttentionBackend = Literal[BACKENDS]
 # interpreter is for tests and runs only when asked for by name). Measured on an H200: at head_dim
 # 128 the TLX kernels are faster than the Triton ones eager and replayed from CUDA graphs
 # (benchmarks/results/attention_h200.md); at head_dim 64 they tie in device time, and the compiled,
-# CUDA-graph training step of configs/gpu.yaml ran faster with Triton in every seed of two of the
-# three comparisons (benchmarks/results/compare_h200.md: 20.50 vs 20.84 ms median), so `auto`
-# prefers Triton there.
+# CUDA-graph training step of configs/gpu.yaml tied or favoured Triton (benchmarks/results/compare_h200.md,
+# and the earlier comparisons benchmarks/results/README.md lists), so `auto` prefers Triton there.
 AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
 AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
 
