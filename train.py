@@ -20,7 +20,6 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import lightning as L
 import torch
@@ -269,7 +268,8 @@ class RankingCLI(LightningCLI):
         parser.add_argument("--run_name", type=str, default="default", help="runs go to <runs_dir>/<run_name>/version_N/")
         parser.add_argument("--runs_dir", type=str, default="runs")
         parser.add_argument(
-            "--attn", type=Literal[tuple(kernels.BACKENDS)] | None, default=None,
+            # Not `| None`: jsonargparse's error for a union lists every member's failure; None = not given.
+            "--attn", type=kernels.AttentionBackend, default=None,
             help="shortcut for --model.net.attn_backend",
         )
         parser.add_argument("--ckpt_path", type=str | None, default=None,

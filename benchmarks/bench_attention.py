@@ -6,8 +6,8 @@
     python -m benchmarks.bench_attention --out /tmp/attention_graph --graph           # + CUDA-graph replay
 
 With --graph, fwd and fwd+bwd are also captured in a CUDA graph and timed by replaying it: the
-device time alone, without the host work of a Python call (which for a ~0.3 ms forward can be as
-long as the kernel); graph bwd = graph fwd+bwd - graph fwd.
+device time alone, without the host work of a Python call (which for a sub-millisecond forward can
+be as long as the kernel); graph bwd = graph fwd+bwd - graph fwd.
 
 Times fwd, bwd and fwd+bwd, with and without rotary, of every implementation on every shape, and
 writes <out>.json (one row per impl x shape x pass x rotary) and <out>.md. benchmarks/README.md
@@ -48,7 +48,7 @@ from kernels import (
     rotary_tables,
 )
 from kernels.backend import launch_json
-from kernels.flex import FLEX_TILE, flex_block_attention, flex_block_mask
+from kernels.block_attention_flex import FLEX_TILE, flex_block_attention, flex_block_mask
 from kernels.testing import parity
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
@@ -65,7 +65,7 @@ JAGGED_MIN_FRACTION = 0.4  # jagged lengths are uniform in [0.4 * max_len, max_l
 CHECK_SEQUENCES = 4
 CHECK_TOLERANCE = 3e-2  # max abs error; bf16 rounding stays well below, a wrong mask or layout errs by ~0.1+
 SEPARATE_ROTARY = "+separate_rotary"
-# FlexAttention's sparse tile: kernels/flex.py's (128, which inductor's default kernel configs accept);
+# FlexAttention's sparse tile: kernels/block_attention_flex.py's (128, which inductor's default kernel configs accept);
 # `--flex-tile 64` matches our blocks and asks for 64x64 kernel tiles, which inductor may reject.
 
 SHAPES = {
@@ -239,7 +239,7 @@ def fa2(inputs: Inputs) -> Callable:
 
 
 def flex(inputs: Inputs) -> Callable:
-    """Compiled FlexAttention with the block-diagonal BlockMask of kernels/flex.py (the flex backend's),
+    """Compiled FlexAttention with the block-diagonal BlockMask of kernels/block_attention_flex.py (the flex backend's),
     built once outside the timed call, at sparse tile FLEX_TILE."""
     _require_cuda(inputs, "FlexAttention's backward")
     block_mask = flex_block_mask(inputs.table, FLEX_TILE)

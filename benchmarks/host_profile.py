@@ -2,8 +2,8 @@
 
     python3 benchmarks/host_profile.py [--backends tlx triton fa2] [--out host_profile.json]
 
-On the first H200 sweep the TLX forward took 0.96 ms per eager call but 0.32 ms replayed from a
-CUDA graph, so the eager number measured the host, not the kernel. For each backend this prints
+An eager TLX forward takes longer than one replayed from a CUDA graph on the H200 (the eager / graph
+row of benchmarks/results/attention_eager_graph_h200.md): the difference is host time, not the kernel. For each backend this prints
 - host_us: wall time per call on a tiny batch (device work negligible), forward and fwd+bwd;
 - the top functions by own time under cProfile over those calls;
 - at a full-size shape, the eager and CUDA-graph forward medians (do_bench), whose gap is host time;

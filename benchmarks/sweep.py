@@ -24,7 +24,7 @@ from benchmarks.bench_attention import (
 )
 from kernels.tlx_aot import TUNING_VARIANTS
 
-# name -> (fwd, bwd) LaunchConfig fields over the production ones (kernels.triton_block_attention).
+# name -> (fwd, bwd) LaunchConfig fields over the production ones (kernels.block_attention_triton).
 TRITON_VARIANTS = {
     "default": ({}, {}),
     "w8": (dict(num_warps=8), dict(num_warps=8)),

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from data.batch import ArrowBatchCollator
-from data.registry import DataArgs, dataset_spec
+from data.registry import DataArgs, DatasetName, dataset_spec
 from data.schema import FeatureSchema
 from data.storage import TEST_SPLIT, load_split, read_meta
 from data.validation import validate_table
@@ -114,7 +114,7 @@ class CTRDataModule(lightning.LightningDataModule):
 
     def __init__(
         self,
-        dataset: str = "synthetic",
+        dataset: DatasetName = "synthetic",
         data_dir: str = "data/cache",
         num_train: int = 32768,
         num_val: int = 4096,

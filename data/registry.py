@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from data.schema import FeatureSchema
 
@@ -16,6 +16,9 @@ DATASET_MODULES = {
     "movielens100k": "data.movielens",
     "movielens1m": "data.movielens1m",
 }
+# The type of CTRDataModule's `dataset`, from the registry: jsonargparse lists the names in --help and
+# rejects any other.
+DatasetName = Literal[tuple(DATASET_MODULES)]
 
 
 @dataclass(frozen=True)

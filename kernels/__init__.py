@@ -1,10 +1,12 @@
 """Block attention over jagged sequences, and the fused MLP sublayer: one API each, several backends
 (see dispatch.py and mlp_dispatch.py)."""
 
+from .block_attention_reference import block_attention_reference
 from .blocks import BLOCK_SIZE, BlockTable, block_cu_seqlens, block_table, offsets_from_lengths
 from .dispatch import (
     AUTO_ORDER,
     BACKENDS,
+    AttentionBackend,
     BackendUnavailableError,
     available_backends,
     backend_unavailable_reason,
@@ -15,11 +17,11 @@ from .dispatch import (
 )
 from .mlp_dispatch import MLP_BACKENDS, check_mlp_backend, mlp_sublayer
 from .mlp_sublayer_reference import mlp_sublayer_reference
-from .reference import block_attention_reference
 from .rotary import Rotary, apply_rotary, rotary_tables
 
 __all__ = [
     "AUTO_ORDER",
+    "AttentionBackend",
     "BACKENDS",
     "MLP_BACKENDS",
     "BLOCK_SIZE",

@@ -1,7 +1,7 @@
 """What a block-attention backend is, and the one factory that makes a kernel backend's custom ops.
 
-Every backend module (reference.py, fa2.py, triton_block_attention.py, tlx_block_attention.py)
-exports one `BACKEND = Backend(...)`; dispatch.py lists the modules and routes to their `run`.
+Every backend module (kernels/block_attention_{reference,fa2,flex,triton,tlx}.py) exports one
+`BACKEND = Backend(...)`; dispatch.py lists the modules and routes to their `run`.
 
 A kernel backend supplies two launchers and gets its ops from `kernel_ops`:
 

@@ -1,12 +1,14 @@
 """One entry point, `block_attention`, that validates inputs once and routes by backend name.
 
-Each backend is one module exporting `BACKEND` (kernels.backend.Backend); adding one is a module
-plus one `BACKEND_MODULES` line. Modules are imported on first use, so importing `kernels` never
-touches a GPU driver or needs Triton/TLX to be installed.
+Backend <name> is the module kernels/block_attention_<name>.py, exporting `BACKEND`
+(kernels.backend.Backend); adding one is that module plus its name in `BACKEND_MODULES`. Modules are
+imported on first use, so importing `kernels` never touches a GPU driver or needs Triton/TLX to be
+installed.
 """
 
 import importlib
 import warnings
+from typing import Literal
 
 import torch
 
@@ -19,21 +21,18 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run on this machine (missing device, driver or package)."""
 
 
-BACKEND_MODULES = {
-    "reference": "kernels.reference",
-    "fa2": "kernels.fa2",
-    "flex": "kernels.flex",  # a peer, as fa2 is: never picked by `auto`
-    "triton": "kernels.triton_block_attention",
-    "tlx": "kernels.tlx_block_attention",
-}
+# flex is a peer, as fa2 is: never picked by `auto`.
+BACKEND_MODULES = {name: f"kernels.block_attention_{name}" for name in ("reference", "fa2", "flex", "triton", "tlx")}
 BACKENDS = ("auto", *BACKEND_MODULES)
+# The type of a config field that names a backend (train.py's --attn, RankingModelConfig.attn_backend):
+# jsonargparse lists these values in --help and rejects any other.
+AttentionBackend = Literal[BACKENDS]
 # What `auto` tries, fastest first, on a GPU (on a CPU it takes the reference alone: the Triton
 # interpreter is for tests and runs only when asked for by name). Measured on an H200: at head_dim
 # 128 the TLX kernels are faster than the Triton ones eager and replayed from CUDA graphs
 # (benchmarks/results/attention_h200.md); at head_dim 64 they tie in device time, and the compiled,
-# CUDA-graph training step of configs/gpu.yaml ran faster with Triton in every seed of two of the
-# three comparisons (benchmarks/results/compare_h200.md: 20.50 vs 20.84 ms median), so `auto`
-# prefers Triton there.
+# CUDA-graph training step of configs/gpu.yaml tied or favoured Triton (benchmarks/results/compare_h200.md,
+# and the earlier comparisons benchmarks/results/README.md lists), so `auto` prefers Triton there.
 AUTO_ORDER = ("tlx", "triton", "fa2", "reference")
 AUTO_ORDER_SMALL_HEAD_DIM = ("triton", "tlx", "fa2", "reference")
 

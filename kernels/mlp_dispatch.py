@@ -29,11 +29,8 @@ from .backend import launch_json
 from .dispatch import backend_unavailable_reason, check_backend
 from .mlp_sublayer_reference import mlp_sublayer_reference
 
-MLP_BACKEND_MODULES = {
-    "reference": "kernels.mlp_sublayer_reference",
-    "triton": "kernels.mlp_sublayer_triton",
-    "tlx": "kernels.mlp_sublayer_tlx",
-}
+# Backend <name> is the module kernels/mlp_sublayer_<name>.py (a kernel backend's exports `MLP_BACKEND`).
+MLP_BACKEND_MODULES = {name: f"kernels.mlp_sublayer_{name}" for name in ("reference", "triton", "tlx")}
 MLP_BACKENDS = ("auto", *MLP_BACKEND_MODULES)
 # Fastest first on a GPU; the reference alone on a CPU (the Triton interpreter runs only when named).
 MLP_AUTO_ORDER = ("tlx", "triton", "reference")

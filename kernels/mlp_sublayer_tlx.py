@@ -44,7 +44,7 @@ except ImportError:  # plain triton (no extra.tlx) or no triton at all: the back
 
 from .backend import launch_overrides
 from .mlp_dispatch import MlpBackend, mlp_kernel_ops
-from .tlx_block_attention import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
+from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
 
 SUPPORTED_D_MODELS = (64, 128, 256)
 SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
@@ -104,7 +104,7 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
     cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
     if backward:
         # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
-        # Triton one on the H200 (sublayer fwd+bwd 4.22 against 3.75 ms, mlp_sublayer_h200.md).
+        # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
         cfg["TRITON_TILES"] = bool(knobs.get("TRITON_TILES", True))
     need = smem_bytes(d_model, stages, consumers, backward)
     if consumers not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
@@ -230,7 +230,8 @@ if HAS_TLX:
                     k0 = r * num_chunks
                     # Chunk c's second product runs on the tensor cores while the other consumer's
                     # GELU runs. (Issuing chunk c + 1's first product before chunk c's GELU, within one
-                    # consumer, spilled at d_model 256 and ran 1.7x slower on the H200.)
+                    # consumer, spilled at d_model 256 and ran slower on the H200:
+                    # benchmarks/results/mlp_sublayer_h200.md, the PIPELINE variant.)
                     for c in range(0, num_chunks):
                         slot = (k0 + c) % NUM_STAGES
                         tlx.barrier_wait(fulls[slot], ((k0 + c) // NUM_STAGES) & 1)

@@ -201,8 +201,8 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
                          f"choose from {[f.name for f in fields(LaunchConfig)]}")
     # A [64, 256] fp32 accumulator is 128 registers a thread over 4 warps: give it 8. At d_model 256
     # each program streams all of W1 and W2 (1 MB in bf16) from L2 per tile, so the forward takes
-    # 128-token tiles there (H200: 1.09 against 1.56 ms for 155,648 tokens); the backward, with more
-    # live tiles, did not gain (3.15 against 3.07 ms). benchmarks/results/mlp_sublayer_h200.md.
+    # 128-token tiles there, faster on the H200; the backward, with more live tiles, did not gain
+    # (benchmarks/results/mlp_sublayer_h200.md).
     wide = d_model >= 256
     default = LaunchConfig(block_m=128 if wide and direction == "fwd" else 64, num_warps=8 if wide else 4)
     return replace(default, **overrides)

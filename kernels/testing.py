@@ -4,7 +4,7 @@ Every test, GPU check, benchmark and sweep judges a backend with it. On a random
 backend's out, dq, dk and dv are compared with the fp64 reference on the same (rounded) inputs:
 
 - error: max |kernel - fp64| <= ERROR_RATIO x max |PyTorch in the input dtype - fp64| + ABS_FLOOR,
-  the flash-attention rule (the same-precision PyTorch reference is kernels.reference with
+  the flash-attention rule (the same-precision PyTorch reference is kernels.block_attention_reference with
   upcast=False: the error any plain implementation in that dtype makes);
 - gradient SNR: 10 log10(|truth|^2 / |kernel - truth|^2) >= MIN_GRAD_SNR_DB for dq, dk, dv, a
   scale-free check (Meta's block-attention test) that catches a small wrong region the max hides;
@@ -22,7 +22,7 @@ import torch
 from .dispatch import block_attention
 from .mlp_dispatch import mlp_sublayer
 from .mlp_sublayer_reference import mlp_sublayer_reference
-from .reference import block_attention_reference
+from .block_attention_reference import block_attention_reference
 from .rotary import Rotary, rotary_tables
 
 ERROR_RATIO = 2.0

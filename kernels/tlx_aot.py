@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from . import mlp_sublayer_tlx
-from .tlx_block_attention import HAS_TLX, SM90_MAX_SMEM, config_smem_bytes, tlx_config
+from .block_attention_tlx import HAS_TLX, SM90_MAX_SMEM, config_smem_bytes, tlx_config
 
 if HAS_TLX:
     import triton
@@ -21,7 +21,7 @@ if HAS_TLX:
     from triton.compiler import ASTSource
 
     from .mlp_sublayer_tlx import _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
-    from .tlx_block_attention import _tlx_block_attn_bwd, _tlx_block_attn_fwd
+    from .block_attention_tlx import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
 
 # Tuning variants that `python -m benchmarks.sweep --backend tlx` times on the GPU: name -> (fwd

@@ -18,6 +18,7 @@ after them on plain tensors, so it compiles into one graph.
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,8 @@ from torchrec import (
 from data.batch import Batch
 from data.schema import FeatureSchema
 from kernels import (
-    BACKENDS,
     MLP_BACKENDS,
+    AttentionBackend,
     BlockTable,
     Rotary,
     block_attention,
@@ -42,6 +43,7 @@ from kernels import (
     mlp_sublayer,
     rotary_tables,
 )
+from models.choices import check_choices
 
 
 @dataclass
@@ -58,7 +60,7 @@ class RankingModelConfig:
         rotary_base: rotary frequency base.
         rotary_within_block: rotary positions restart at every 64-token block.
         rotate_v: rotate v as well as q and k.
-        attn_backend: block_attention backend: auto, reference, fa2, triton or tlx.
+        attn_backend: block_attention backend (kernels.BACKENDS).
         fused_mlp: run each layer's LayerNorm + MLP + residual as one fused op
             (kernels.mlp_sublayer), on the attention backend's kernels where it has them (triton,
             tlx, reference), else on the fastest that runs here; False is the unfused reference path.
@@ -80,15 +82,14 @@ class RankingModelConfig:
     rotary_base: float = 10000.0
     rotary_within_block: bool = False
     rotate_v: bool = False
-    attn_backend: str = "auto"
+    attn_backend: AttentionBackend = "auto"
     fused_mlp: bool = False
     compile: bool = False
-    compile_mode: str = "default"
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     pad_tokens_to: int = 0
 
     def __post_init__(self):
-        if self.attn_backend not in BACKENDS:
-            raise ValueError(f"attn_backend={self.attn_backend!r} is not one of {', '.join(BACKENDS)}")
+        check_choices(self)
         if self.d_model % self.num_heads != 0:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.head_dim % 2 != 0:
@@ -98,9 +99,6 @@ class RankingModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.pad_tokens_to < 0:
             raise ValueError(f"pad_tokens_to={self.pad_tokens_to} must be >= 0 (0: no padding)")
-        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-        if self.compile_mode not in modes:
-            raise ValueError(f"compile_mode={self.compile_mode!r} is not one of {modes}")
 
     @property
     def head_dim(self) -> int:

@@ -51,6 +51,13 @@ CASES = {
         "this model needs about 4.5 MiB to train (25,441 parameters x 24 bytes",
     ),
     "misspelled key": (TRAIN + ["--model.net.num_layerz=1"], "num_layerz=1 (python train.py --help lists every key)"),
+    "unknown attention backend": (
+        TRAIN + ["--attn=cuda"], "'auto', 'reference', 'fa2', 'flex', 'triton', 'tlx']. Got value: cuda"
+    ),
+    "unknown sharding type": (
+        TRAIN + ["--sharding.sharding_type=diagonal"],
+        "'table_wise', 'row_wise', 'column_wise', 'data_parallel']. Got value: diagonal",
+    ),
     "malformed line, --strict": (
         PREPARE + ["--input={root}/malformed.tsv", "--out={root}/out", "--strict"],
         "malformed line 6: column label value '2' is not 0 or 1",

@@ -266,11 +266,11 @@ def test_reference_compiles_without_graph_breaks_whatever_the_lengths():
 @pytest.mark.parametrize("tile", [64, 128])
 @pytest.mark.parametrize("lengths", [[70, 0, 200, 64, 1, 130, 300], [128, 256, 64], [5], [64] * 9, [64, 5, 70]])
 def test_flex_block_mask_equals_create_block_mask(lengths, tile):
-    """kernels/flex.py's BlockMask, built from the block table, against create_block_mask's (which
+    """kernels/block_attention_flex.py's BlockMask, built from the block table, against create_block_mask's (which
     evaluates the mask_mod at every token pair), and its mask_mod against the block definition."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from kernels.flex import flex_block_mask
+    from kernels.block_attention_flex import flex_block_mask
 
     offsets = offsets_from_lengths(lengths)
     tokens = int(offsets[-1])
@@ -296,7 +296,7 @@ def test_flex_block_mask_gives_block_attention(tile):
     is CUDA only): partial blocks, one-token sequences, blocks that straddle tiles, full tiles."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from kernels.flex import flex_block_mask
+    from kernels.block_attention_flex import flex_block_mask
 
     lengths = [64, 64, 5, 70, 0, 130, 1, 200]
     offsets = offsets_from_lengths(lengths)

@@ -203,7 +203,7 @@ def test_tlx_configs_fit_and_knobs_are_checked():
     compiler), d_model 256's backward takes one consumer to keep a two-slot ring, and unknown or
     impossible knobs are refused with the reason."""
     from kernels.mlp_sublayer_tlx import SUPPORTED_D_MODELS, smem_bytes, tlx_mlp_config
-    from kernels.tlx_block_attention import SM90_MAX_SMEM
+    from kernels.block_attention_tlx import SM90_MAX_SMEM
 
     for d_model in SUPPORTED_D_MODELS:
         for backward in (False, True):

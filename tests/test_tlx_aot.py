@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kernels.block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK
 from kernels.tlx_aot import aot_configs
-from kernels.tlx_block_attention import SM90_MAX_SMEM, SMEM_SLACK
 
 REPO = Path(__file__).resolve().parents[1]
 # fbtriton 3.7.4 (TLX_PYTHON) and triton-utlx 3.8.0.post16 on Triton 3.8 (UTLX_PYTHON): each
@@ -27,8 +27,8 @@ _SCRIPT = textwrap.dedent(
     """
     import json, os, subprocess, sys, tempfile
     import triton
+    from kernels.block_attention_tlx import HAS_TLX
     from kernels.tlx_aot import compile_all
-    from kernels.tlx_block_attention import HAS_TLX
     assert HAS_TLX, "triton.language.extra.tlx did not import under TLX_PYTHON"
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     summary = {}
@@ -105,7 +105,7 @@ def test_tlx_module_imports_without_tlx():
     import torch
 
     from kernels import BackendUnavailableError, block_attention
-    from kernels import tlx_block_attention as m
+    from kernels import block_attention_tlx as m
 
     if m.HAS_TLX:
         pytest.skip("this interpreter has TLX installed")
@@ -117,7 +117,7 @@ def test_tlx_module_imports_without_tlx():
 
 
 def test_tuning_knobs_are_checked():
-    from kernels.tlx_block_attention import tlx_config
+    from kernels.block_attention_tlx import tlx_config
 
     assert tlx_config(64, False, backward=False, overrides={"NUM_STAGES": 2})["NUM_STAGES"] == 2
     with pytest.raises(ValueError, match="unknown TLX bwd tuning knobs \\['O_TMA_STORE'\\]"):

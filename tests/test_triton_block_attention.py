@@ -1,7 +1,7 @@
 """The Triton backend, run on CPU by the Triton interpreter, judged by kernels.testing.parity.
 
 triton.jit picks the interpreter when a kernel is defined, so TRITON_INTERPRET=1 must be set before
-kernels.triton_block_attention is first imported: scripts/test.sh exports it for the whole run, and
+kernels.block_attention_triton is first imported: scripts/test.sh exports it for the whole run, and
 this module sets it too for when it runs alone. bf16 is not tested here: the interpreter's bf16
 tl.dot is wrong (tests/test_gpu_parity.py covers bf16 on a GPU).
 """

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
-SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam", "sgd")
-COMPUTE_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching", "auto")
-WEIGHT_DECAY_MODES = ("l2", "decoupled")
+from models.choices import check_choices
+
+ShardingType = Literal["table_wise", "row_wise", "column_wise", "data_parallel"]
 
 
 @dataclass
@@ -32,26 +31,19 @@ class SparseOptimizerConfig:
         beta1, beta2: Adam's moment decays.
     """
 
-    name: str = "rowwise_adagrad"
+    name: Literal["rowwise_adagrad", "adagrad", "adam", "sgd"] = "rowwise_adagrad"
     lr: float = 0.01
-    lr_schedule: str = "dense"
+    lr_schedule: Literal["dense", "constant"] = "dense"
     eps: float = 1e-8
     weight_decay: float = 0.0
-    weight_decay_mode: str | None = None
+    weight_decay_mode: Literal["l2", "decoupled"] | None = None
     beta1: float = 0.9
     beta2: float = 0.999
 
     def __post_init__(self) -> None:
-        if self.name not in SPARSE_OPTIMIZERS:
-            raise ValueError(f"sparse optimizer {self.name!r} is not one of {', '.join(SPARSE_OPTIMIZERS)}")
-        if self.lr_schedule not in ("dense", "constant"):
-            raise ValueError(f"sparse optimizer lr_schedule {self.lr_schedule!r} is not 'dense' or 'constant'")
+        check_choices(self)
         if self.weight_decay_mode is None:
             self.weight_decay_mode = "decoupled" if self.name == "adam" else "l2"
-        if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
-            raise ValueError(
-                f"weight_decay_mode {self.weight_decay_mode!r} is not one of {', '.join(WEIGHT_DECAY_MODES)}"
-            )
         if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
             raise ValueError(
                 f"sparse optimizer needs lr >= 0, eps > 0, weight_decay >= 0; got lr={self.lr}, eps={self.eps}, "
@@ -107,9 +99,9 @@ class ShardingConfig:
             device in the input all-to-all's split exchange.
     """
 
-    sharding_type: str = "table_wise"
-    tables: dict[str, str] = field(default_factory=dict)
-    compute_kernel: str = "fused"
+    sharding_type: ShardingType = "table_wise"
+    tables: dict[str, ShardingType] = field(default_factory=dict)
+    compute_kernel: Literal["fused", "fused_uvm", "fused_uvm_caching", "auto"] = "fused"
     optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
     column_wise_min_dim: int = 128
     hbm_cap_gb: float | None = None
@@ -124,13 +116,7 @@ class ShardingConfig:
         if isinstance(self.optimizer, Mapping):
             self.optimizer = SparseOptimizerConfig(**self.optimizer)
         self.tables = dict(self.tables or {})
-        for where, value in [("sharding_type", self.sharding_type)] + [
-            (f"tables[{name!r}]", value) for name, value in self.tables.items()
-        ]:
-            if value not in SHARDING_TYPES:
-                raise ValueError(f"sharding {where}={value!r} is not a sharding type; use one of {', '.join(SHARDING_TYPES)}")
-        if self.compute_kernel not in COMPUTE_KERNELS:
-            raise ValueError(f"compute_kernel={self.compute_kernel!r} is not one of {', '.join(COMPUTE_KERNELS)}")
+        check_choices(self)
         if self.column_wise_min_dim < 1:
             raise ValueError(f"column_wise_min_dim={self.column_wise_min_dim} must be >= 1")
         if not 0 <= self.storage_reservation < 1:

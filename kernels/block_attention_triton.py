@@ -327,7 +327,7 @@ def triton_unsupported_reason(q: torch.Tensor) -> str | None:
         if not _INTERPRETED:
             return (
                 "CPU tensors without the Triton interpreter: set TRITON_INTERPRET=1 before "
-                "kernels.triton_block_attention is first imported"
+                "kernels.block_attention_triton is first imported"
             )
         if dtype == torch.bfloat16:
             return "bfloat16 on CPU (the Triton interpreter's bfloat16 tl.dot is wrong); use float16 or float32"

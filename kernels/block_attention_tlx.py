@@ -5,8 +5,8 @@ Invariants every kernel here relies on:
   [T, H*D] for TMA, so a (64-token block, head) tile is the box [64, D] at (start, h*D).
 - D is 64 or 128 (one wgmma N/K tile, TMA row of 128/256 bytes, D/2 rotary pairs).
 - cos/sin are contiguous fp32 [T, D/2]; the producer loads an item's [64, D/2] boxes by TMA into
-  its ring slot with the 16-bit tiles, so they are prefetched with them (H200: rotary passes
-  1.15-1.3x faster than with consumers loading them into registers,
+  its ring slot with the 16-bit tiles, so they are prefetched with them (on the H200 the rotary
+  passes ran faster than with consumers loading them into registers:
   benchmarks/results/sweep_tlx_rotary_h200.log).
 - A block is BLOCK=64 tokens from its sequence's start (kernels.blocks.block_table); only the last
   block of a sequence is partial (len in 1..64). Its TMA tile runs into the next sequence (or TMA's
@@ -38,7 +38,7 @@ try:
     import triton.language.extra.tlx as tlx
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .triton_block_attention import rotate_pairs  # one rotary tile helper for both kernels
+    from .block_attention_triton import rotate_pairs  # one rotary tile helper for both kernels
 
     HAS_TLX = True
     # Triton 3.8's layouts put a conversion between the rotated pairs' join and the reshape that
@@ -69,16 +69,17 @@ BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "SHARED_T_TILE")
 # ENOUGH_SLOTS_PER_CONSUMER wins, ties go to the first value listed. The fwd prefers a TMA store
 # of O (async, off the consumer's critical path); the bwd prefers separate P^T and dS^T tiles (no
 # wait between dV and the dS^T store). H200 (benchmarks/results/sweep_tlx*_h200.log): the two O
-# stores timed alike at equal depth; one shared tile was 2% slower at D=64 plain (3 slots per
-# consumer against 2), but separate tiles were 14% slower at D=64 rotary (1 slot per consumer)
-# and 25% slower at D=128 rotary (1 consumer).
+# stores timed alike at equal depth; one shared tile was a little slower at D=64 plain (3 slots per
+# consumer against 2), but separate tiles were much slower at D=64 rotary (1 slot per consumer)
+# and at D=128 rotary (1 consumer).
 _DEPTH_CHOSEN = {"fwd": {"O_TMA_STORE": (True, False)}, "bwd": {"SHARED_T_TILE": (False, True)}}
 # Ring slots per consumer beyond which depth bought nothing on the H200: 2 and 4 slots per
-# consumer timed alike in the fwd, while 1 was 13-14% slower than 2 in the D=64 bwd.
+# consumer timed alike in the fwd, while 1 was slower than 2 in the D=64 bwd
+# (benchmarks/results/sweep_tlx_h200.log).
 ENOUGH_SLOTS_PER_CONSUMER = 2
 # Consumer counts tried in order (the first that fits wins); (2, 1) where not listed. The plain
-# D=128 fwd ran 4% faster with one consumer on the H200 (0.509 vs 0.532 ms at 1024x512x4x128,
-# sweep_tlx_d128_h200.log), while one consumer was 6% slower with rotary and 23% slower at D=64.
+# D=128 fwd ran faster with one consumer on the H200, while one consumer was slower with rotary and
+# at D=64 (benchmarks/results/sweep_tlx_d128_h200.log, sweep_tlx_h200.log).
 _CONSUMER_ORDER = {("fwd", 128, False): (1, 2)}
 def smem_bytes(head_dim: int, rotary: bool, backward: bool, NUM_STAGES: int, NUM_CONSUMERS: int,
                O_TMA_STORE: bool = False, SHARED_T_TILE: bool = False, elem_size: int = 2) -> int:
