@@ -20,6 +20,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
