@@ -18,5 +18,5 @@ def test_trace_names_the_lines_that_read_tensors(tmp_path):
     listing = result.stdout.split("== host reads of cpu tensors")[1].splitlines()[1:]
     counts = {line.split(" ", 1)[1]: int(line.split(" ", 1)[0]) for line in listing if line}
     # StepMetrics reads each step's loss once, in flush (from on_train_batch_end, and on_train_end for the last).
-    flush = [stack for stack in counts if stack.split(" <- ")[0].endswith("(flush)") and "train.py:" in stack]
+    flush = [stack for stack in counts if stack.split(" <- ")[0].endswith("(flush)") and "callbacks.py:" in stack]
     assert sum(counts[stack] for stack in flush) == 4
