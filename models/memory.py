@@ -2,14 +2,16 @@
 
 A config whose tables do not fit should be refused with the numbers and what to change, not end in
 swap, the OOM killer or a CUDA out-of-memory error minutes into the run: a Criteo config with
-2^20-row tables is 872 M parameters, and peaked at 21 GB on a 24 GB machine.
+2^20-row tables is 872 M parameters (issue 25 reported a 21 GB peak on a 24 GB machine).
 
 The estimate is for the dense path (every parameter trained by AdamW, train.py's optimizer): per
 parameter an fp32 weight, an fp32 gradient (unsharded torchrec tables have dense gradients) and
 AdamW's two fp32 moments, 16 bytes, and what the peak adds to them (the optimizer step's
 temporaries, checkpoint writing): the default config with 2^20-row tables (168 M parameters) peaked
 at 3.86 GB more resident memory than with 1,000-row ones, 23 bytes a parameter (2 CPU cores,
-30 steps and a checkpoint). Plus the activations a step keeps for its backward. Under the torchrec
+30 steps and a checkpoint: `/usr/bin/time -v python train.py --data.vocab_size=1048576
+--trainer.max_steps=30 --trainer.val_check_interval=30 --data.num_val=512`, against
+--data.vocab_size=1000). Plus the activations a step keeps for its backward. Under the torchrec
 strategy the sharded tables train with fused optimizers (row-wise Adagrad keeps one value a row, and
 no gradient is materialized), so that path is not estimated here.
 """
