@@ -96,9 +96,12 @@ def bench(args: argparse.Namespace) -> dict:
         }
     reference_y = run_pass(build_impl("unfused_eager", device), leaves, grad_y, "fwd", dtype)().detach()
     rows = []
-    for name in args.impls:
-        launch = args.launch.get(name)
-        row = dict(impl=name, launch=launch)
+    runs = [(name, name, args.launch.get(name)) for name in args.impls]
+    runs += [(label, impl, json.loads(launch)) for label, impl, launch in args.variant]
+    for label, name, launch in runs:
+        row = dict(impl=label, launch=launch)
+        if label != name:
+            row["backend"] = name
         try:
             fn = build_impl(name, device, launch)
             y = run_pass(fn, leaves, grad_y, "fwd", dtype)().detach()
@@ -176,6 +179,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--launch", type=json.loads, default={},
                         help='launch overrides per kernel impl, e.g. \'{"triton": {"fwd": {"block_m": 128}}}\'')
+    parser.add_argument("--variant", nargs=3, action="append", default=[], metavar=("LABEL", "IMPL", "LAUNCH_JSON"),
+                        help="an extra row: IMPL (a kernel backend) with these launch settings, e.g. "
+                             "--variant triton_tiles_bwd triton '{\"bwd\": {\"plan\": \"tiles\"}}'")
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     return parser.parse_args(argv)

@@ -19,8 +19,8 @@ Invariants the kernel relies on:
 The backward's token-tile kernel has the same shape (the producer also brings each consumer's saved
 pre-activation chunk; dH, GELU's output and dLN leave by TMA or in 64-column slices), then the
 Triton LayerNorm-backward kernel and the two weight-gradient GEMMs of mlp_dispatch.py. It runs with
-the launch knob {"bwd": {"TRITON_TILES": False}}; by default the backward takes the Triton token-tile
-kernel, which was faster on the H200 (see tlx_mlp_config).
+the launch knob {"bwd": {"TRITON_BACKWARD": False}}; by default the backward is the Triton backend's
+(kernels/mlp_sublayer_triton.py, its default "gemms" plan; see tlx_mlp_config).
 """
 
 import functools
@@ -35,7 +35,7 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     # One GELU (and its derivative) for both backends; LayerNorm's backward is the Triton kernel's.
-    from .mlp_sublayer_triton import _backward_tiles as _triton_backward_tiles
+    from .mlp_sublayer_triton import _backward as _triton_backward
     from .mlp_sublayer_triton import _gelu, _gelu_grad, layer_norm_backward
 
     HAS_TLX = True
@@ -53,8 +53,8 @@ BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
 FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
-# TRITON_TILES: the backward's token-tile kernel is the Triton one (kernels/mlp_sublayer_triton.py).
-BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_TILES")
+# TRITON_BACKWARD: the backward is the Triton backend's, with its default plan (kernels/mlp_sublayer_triton.py).
+BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
 # fbtriton 3.7's sm_90 builds allocate it (tests/test_tlx_aot.py holds this model to them).
 _SCRATCH_PER_CONSUMER = {64: 384, 128: 384, 256: 624}
@@ -105,7 +105,7 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
     if backward:
         # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
         # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
-        cfg["TRITON_TILES"] = bool(knobs.get("TRITON_TILES", True))
+        cfg["TRITON_BACKWARD"] = bool(knobs.get("TRITON_BACKWARD", True))
     need = smem_bytes(d_model, stages, consumers, backward)
     if consumers not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
         raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
@@ -430,8 +430,8 @@ def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean,
     hidden_width = w1.shape[0]
     overrides = launch_overrides(launch, "bwd")
     cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())), backward=True)
-    if cfg.pop("TRITON_TILES"):
-        return _triton_backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "")
+    if cfg.pop("TRITON_BACKWARD"):
+        return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "")
     x, grad_y = x.contiguous(), grad_y.contiguous()
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     device, dtype = x.device, w1.dtype
@@ -459,7 +459,7 @@ def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean,
                 *descs, grad_y, x, norm_weight, norm_bias, mean, rstd, grad_normed, normed, db1_parts,
                 tokens, hidden_width, grad_y.stride(0), D=d_model, num_warps=4, num_stages=1, **cfg,
             )
-    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, dx)
+    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx)
     return dx, grad_hidden_rows[:tokens], activation_rows[:tokens], normed, db1_parts, dnw_parts, dnb_parts
 
 

@@ -40,6 +40,14 @@ def _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D: tl.conste
 
 
 @triton.jit
+def _row_stats(x, eps, D: tl.constexpr):
+    """LayerNorm's mean and 1/std of fp32 rows x [M, D]."""
+    mean = tl.sum(x, 1) / D
+    centered = x - mean[:, None]
+    return mean, 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
+
+
+@triton.jit
 def _gelu(h):
     return 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
 
@@ -63,9 +71,7 @@ def _mlp_sublayer_fwd(
     cols = tl.arange(0, D)
     hcols = tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    mean = tl.sum(x, 1) / D
-    centered = x - mean[:, None]
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
+    mean, rstd = _row_stats(x, eps, D)
     _, normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)
     normed = normed.to(dtype)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
@@ -84,6 +90,83 @@ def _mlp_sublayer_fwd(
     tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_fwd_rows(
+    x_ptr, norm_weight_ptr, norm_bias_ptr, normed_ptr, mean_ptr, rstd_ptr, T, x_stride, eps,
+    D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """LN(x) in normed_ptr's dtype (the first GEMM's operand) and the statistics the backward reuses."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    mean, rstd = _row_stats(x, eps, D)
+    _, normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)
+    tl.store(normed_ptr + rows64[:, None] * D + cols[None, :], normed.to(normed_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _hidden_gemm(
+    normed_ptr, w1_ptr, b1_ptr, hidden_ptr, T, H,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of the pre-activation LN(x) · W1ᵀ + b1, rounded to the compute dtype."""
+    dtype = w1_ptr.dtype.element_ty
+    column_tiles = tl.cdiv(H, BLOCK_N)
+    tile_m = tl.program_id(0) // column_tiles
+    tile_n = tl.program_id(0) % column_tiles
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    hcols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    hcol_ok = hcols < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        normed = tl.load(normed_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
+        w1 = tl.load(w1_ptr + hcols[None, :] * D + ks[:, None], mask=hcol_ok[None, :], other=0.0)  # W1ᵀ [K, N]
+        acc = tl.dot(normed, w1, acc, input_precision=DOT_PRECISION)
+    hidden = (acc + tl.load(b1_ptr + hcols, mask=hcol_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+    tl.store(hidden_ptr + rows64[:, None] * H + hcols[None, :], hidden, mask=row_ok[:, None] & hcol_ok[None, :])
+
+
+@triton.jit
+def _output_gemm(
+    hidden_ptr, w2_ptr, b2_ptr, x_ptr, y_ptr, T, H, x_stride,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of y = x + (GELU(pre-activation) · W2ᵀ + b2): GELU runs on the A
+    operand as it loads, so its output never reaches HBM (BLOCK_N = D computes it once per element),
+    and the residual is the epilogue's."""
+    dtype = w2_ptr.dtype.element_ty
+    column_tiles: tl.constexpr = D // BLOCK_N
+    tile_m = tl.program_id(0) // column_tiles
+    tile_n = tl.program_id(0) % column_tiles
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        hidden = tl.load(hidden_ptr + rows64[:, None] * H + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+        activation = _gelu(hidden.to(tl.float32)).to(dtype)
+        w2 = tl.load(w2_ptr + cols[None, :] * H + ks[:, None], mask=k_ok[:, None], other=0.0)  # W2ᵀ [K, N]
+        acc = tl.dot(activation, w2, acc, input_precision=DOT_PRECISION)
+    # The second linear's output is rounded to the compute dtype before the residual, as nn.Linear's is.
+    out = (acc + tl.load(b2_ptr + cols).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], (x + out).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -127,6 +210,41 @@ def _mlp_sublayer_bwd_tiles(
 
 
 @triton.jit
+def _hidden_grad_gemm(
+    grad_out_ptr, w2_ptr, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
+    T, H,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of dH = (dY · W2) * GELU'(pre-activation), with GELU's output
+    (dW2's operand) and dH's column sums (b1's gradient) from the same epilogue: the [T, H] product
+    of the first GEMM never reaches HBM, and the saved pre-activation is read once."""
+    dtype = w2_ptr.dtype.element_ty
+    column_tiles = tl.cdiv(H, BLOCK_N)
+    # The column tiles of one row tile run side by side, so its dY rows are read from L2, not HBM.
+    tile_m = tl.program_id(0) // column_tiles
+    tile_n = tl.program_id(0) % column_tiles
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    hcols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    hcol_ok = hcols < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        grad_out = tl.load(grad_out_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
+        w2 = tl.load(w2_ptr + ks[:, None] * H + hcols[None, :], mask=hcol_ok[None, :], other=0.0)
+        acc = tl.dot(grad_out, w2, acc, input_precision=DOT_PRECISION)
+    offs = rows64[:, None] * H + hcols[None, :]
+    ok = row_ok[:, None] & hcol_ok[None, :]
+    hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(activation_ptr + offs, _gelu(hidden).to(dtype), mask=ok)
+    grad_hidden = (acc * _gelu_grad(hidden)).to(dtype)
+    tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
+    tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
+
+
+@triton.jit
 def _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y, norm_weight_ptr, dx_ptr, dnw_parts_ptr, dnb_parts_ptr,
                               tile, rows64, row_ok, D: tl.constexpr):
     """LayerNorm's backward for fp32 rows, plus the residual's gradient: dx̂ = dLN * weight,
@@ -144,11 +262,13 @@ def _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y, norm_weight_ptr,
 
 @triton.jit
 def _layer_norm_bwd_tiles(
-    grad_normed_ptr, grad_y_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, dx_ptr, dnw_parts_ptr, dnb_parts_ptr,
-    T, x_stride, grad_y_stride, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    grad_normed_ptr, grad_y_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr, dx_ptr, normed_ptr,
+    dnw_parts_ptr, dnb_parts_ptr, T, x_stride, grad_y_stride,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, STORE_NORMED: tl.constexpr,
 ):
-    """LayerNorm's backward alone, for a backward whose tile kernel wrote LN's output gradient (fp32)
-    instead of finishing it (kernels/mlp_sublayer_tlx.py)."""
+    """LayerNorm's backward alone, for a backward that computed LN's output gradient outside the
+    token tiles; with STORE_NORMED it also writes LN(x) in normed_ptr's dtype (dW1's operand), from
+    the x it reads anyway."""
     tile = tl.program_id(0)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
@@ -156,25 +276,36 @@ def _layer_norm_bwd_tiles(
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     grad_y = tl.load(grad_y_ptr + rows64[:, None] * grad_y_stride + cols[None, :], mask=row_ok[:, None], other=0.0)
-    grad_normed = tl.load(grad_normed_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
+    grad_normed = tl.load(grad_normed_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None],
+                          other=0.0).to(tl.float32)
     mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
     rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-    x_hat = (x - mean[:, None]) * rstd[:, None]
+    if STORE_NORMED:
+        x_hat, normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)
+        tl.store(normed_ptr + rows64[:, None] * D + cols[None, :], normed.to(normed_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    else:
+        x_hat = (x - mean[:, None]) * rstd[:, None]
     _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr, dnw_parts_ptr,
                               dnb_parts_ptr, tile, rows64, row_ok, D)
 
 
-def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, dx, block_m: int = 64):
-    """Launches _layer_norm_bwd_tiles; returns LayerNorm's affine partial sums [tiles, D] (fp32)."""
+# Rows a LayerNorm program takes: its fp32 rows are D wide, so few rows keep them in registers.
+LAYER_NORM_ROWS = 16
+
+
+def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed=None):
+    """Launches _layer_norm_bwd_tiles (writing LN(x) into `normed` too when given); returns
+    LayerNorm's affine partial sums [tiles, D] (fp32)."""
     tokens, d_model = x.shape
-    tiles = triton.cdiv(tokens, block_m)
+    tiles = triton.cdiv(tokens, LAYER_NORM_ROWS)
     dnw_parts = torch.zeros((tiles, d_model), dtype=torch.float32, device=x.device)
     dnb_parts = torch.zeros_like(dnw_parts)
     if tokens:
-        args = (grad_normed, grad_y, x, mean, rstd, norm_weight, dx, dnw_parts, dnb_parts, tokens, x.stride(0),
-                grad_y.stride(0))
-        _launch(_layer_norm_bwd_tiles, tokens, x.device, LaunchConfig(block_m=block_m), args,
-                dict(D=d_model, BLOCK_M=block_m))
+        args = (grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, dx if normed is None else normed,
+                dnw_parts, dnb_parts, tokens, x.stride(0), grad_y.stride(0))
+        _launch(_layer_norm_bwd_tiles, tiles, x.device, LaunchConfig(block_m=LAYER_NORM_ROWS), args,
+                dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS, STORE_NORMED=normed is not None))
     return dnw_parts, dnb_parts
 
 
@@ -185,26 +316,50 @@ def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, dx, blo
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """One program per BLOCK_M tokens, walking the hidden width in BLOCK_H chunks."""
+    """How one direction runs. Plan "tiles": one program per block_m tokens walks the hidden width
+    in BLOCK_H chunks, the hidden activations never leaving the chip. Plan "gemms": GEMMs over
+    [block_m, block_n] output tiles whose prologues and epilogues carry the elementwise work."""
 
+    plan: str = "tiles"
     block_m: int = 64
+    block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
+
+
+PLANS = ("tiles", "gemms")
+# Forward "gemms": LayerNorm rows, then LN(x)·W1ᵀ + b1 (the saved pre-activation), then a GEMM that
+# applies GELU to its A operand as it loads and adds b2 and the residual in its epilogue.
+# Backward "gemms": dH = (dY·W2) * GELU' from one GEMM whose epilogue also writes GELU's output (dW2's
+# operand) and b1's partial sums, LN's output gradient dH·W1 from cuBLAS, then LayerNorm's backward.
+# Backward "tiles" keeps LN's [block_m, D] fp32 output gradient on chip across the hidden chunks; at
+# d_model 256 that accumulator limits an SM to two tiles, each streaming all of W1 and W2 from L2:
+# it ran 2.4x slower than the compiled unfused backward (benchmarks/results/mlp_sublayer_h200.md).
+DEFAULT_PLAN = {"fwd": "tiles", "bwd": "gemms"}
 
 
 @functools.lru_cache(maxsize=None)
 def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfig:
     overrides = launch_overrides(launch, direction)
-    unknown = set(overrides) - {f.name for f in fields(LaunchConfig)}
+    allowed = [f.name for f in fields(LaunchConfig)]
+    unknown = set(overrides) - set(allowed)
     if unknown:
         raise ValueError(f"unknown Triton mlp_sublayer {direction} launch settings {sorted(unknown)}; "
-                         f"choose from {[f.name for f in fields(LaunchConfig)]}")
-    # A [64, 256] fp32 accumulator is 128 registers a thread over 4 warps: give it 8. At d_model 256
-    # each program streams all of W1 and W2 (1 MB in bf16) from L2 per tile, so the forward takes
-    # 128-token tiles there, faster on the H200; the backward, with more live tiles, did not gain
-    # (benchmarks/results/mlp_sublayer_h200.md).
-    wide = d_model >= 256
-    default = LaunchConfig(block_m=128 if wide and direction == "fwd" else 64, num_warps=8 if wide else 4)
+                         f"choose from {allowed}")
+    plan = overrides.get("plan", DEFAULT_PLAN[direction])
+    if plan not in PLANS:
+        raise ValueError(f"unknown Triton mlp_sublayer {direction} plan {plan!r}; choose one of {PLANS}")
+    if plan == "gemms":
+        # A GEMM's tiles: 128 x 128 over 8 warps, a 3-deep pipeline of its K steps.
+        default = LaunchConfig(plan=plan, block_m=128, num_warps=8, num_stages=3)
+    else:
+        # A [64, 256] fp32 accumulator is 128 registers a thread over 4 warps: give it 8. At d_model
+        # 256 each program streams all of W1 and W2 (1 MB in bf16) from L2 per tile, so the forward
+        # takes 128-token tiles there, faster on the H200; the backward, with more live tiles, did
+        # not gain (benchmarks/results/mlp_sublayer_h200.md).
+        wide = d_model >= 256
+        default = LaunchConfig(plan=plan, block_m=128 if wide and direction == "fwd" else 64,
+                               num_warps=8 if wide else 4)
     return replace(default, **overrides)
 
 
@@ -219,8 +374,8 @@ def _constexprs(x: torch.Tensor, w1: torch.Tensor, config: LaunchConfig) -> dict
                 DOT_PRECISION="ieee" if w1.dtype == torch.float32 else "tf32")
 
 
-def _launch(kernel, tokens: int, device: torch.device, config: LaunchConfig, args: tuple, constexprs: dict):
-    grid = (triton.cdiv(tokens, config.block_m),)
+def _launch(kernel, programs: int, device: torch.device, config: LaunchConfig, args: tuple, constexprs: dict):
+    grid = (programs,)
     if _INTERPRETED or device.type != "cuda":
         kernel[grid](*args, **constexprs)
         return
@@ -241,20 +396,66 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     hidden = torch.empty((tokens, hidden_width), dtype=w1.dtype, device=x.device)
     mean = torch.empty(tokens, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
+    config = launch_config("fwd", d_model, launch)
+    launch_config("bwd", d_model, launch)  # a bad backward setting fails here, not in the backward pass
     if tokens == 0:
         return y, hidden, mean, rstd
-    config = launch_config("fwd", d_model, launch)
-    args = (x, norm_weight, norm_bias, w1, b1, w2, b2, y, hidden, mean, rstd, tokens, hidden_width, x.stride(0), eps)
-    _launch(_mlp_sublayer_fwd, tokens, x.device, config, args, _constexprs(x, w1, config))
+    constexprs = _constexprs(x, w1, config)
+    if config.plan == "tiles":
+        args = (x, norm_weight, norm_bias, w1, b1, w2, b2, y, hidden, mean, rstd, tokens, hidden_width, x.stride(0), eps)
+        _launch(_mlp_sublayer_fwd, triton.cdiv(tokens, config.block_m), x.device, config, args, constexprs)
+        return y, hidden, mean, rstd
+    normed = torch.empty((tokens, d_model), dtype=w1.dtype, device=x.device)
+    _launch(_layer_norm_fwd_rows, triton.cdiv(tokens, LAYER_NORM_ROWS), x.device, LaunchConfig(),
+            (x, norm_weight, norm_bias, normed, mean, rstd, tokens, x.stride(0), eps),
+            dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS))
+    row_tiles = triton.cdiv(tokens, config.block_m)
+    gemm = _gemm_constexprs(constexprs, config.block_n, min(64, d_model))
+    _launch(_hidden_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config,
+            (normed, w1, b1, hidden, tokens, hidden_width), gemm)
+    # BLOCK_N = D: each program's rows see GELU once.
+    gemm = _gemm_constexprs(constexprs, d_model, block_h(hidden_width))
+    _launch(_output_gemm, row_tiles, x.device, config, (hidden, w2, b2, x, y, tokens, hidden_width, x.stride(0)), gemm)
     return y, hidden, mean, rstd
 
 
-def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
-    tokens, d_model = x.shape
-    hidden_width = w1.shape[0]
+def _gemm_constexprs(constexprs: dict, block_n: int, block_k: int) -> dict:
+    return dict({k: v for k, v in constexprs.items() if k != "BLOCK_H"}, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
     x, grad_y = _rows_contiguous(x), _rows_contiguous(grad_y)
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
-    config = launch_config("bwd", d_model, launch)
+    config = launch_config("bwd", x.shape[1], launch)
+    plan = _backward_gemms if config.plan == "gemms" else _backward_tiles
+    return plan(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config)
+
+
+def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config):
+    tokens, d_model = x.shape
+    hidden_width = w1.shape[0]
+    # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
+    grad_out = grad_y.to(w1.dtype).contiguous()
+    grad_hidden = torch.empty((tokens, hidden_width), dtype=w1.dtype, device=x.device)
+    activation = torch.empty_like(grad_hidden)
+    row_tiles = triton.cdiv(tokens, config.block_m)
+    db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=x.device)
+    if tokens:
+        args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
+        constexprs = _gemm_constexprs(_constexprs(x, w1, config), config.block_n, min(64, d_model))
+        _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config, args,
+                constexprs)
+    # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
+    grad_normed = grad_hidden @ w1
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    normed = torch.empty((tokens, d_model), dtype=w1.dtype, device=x.device)
+    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed)
+    return dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts
+
+
+def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config):
+    tokens, d_model = x.shape
+    hidden_width = w1.shape[0]
     tiles = triton.cdiv(tokens, config.block_m)
     dx = torch.empty((tokens, d_model), dtype=x.dtype, device=x.device)
     grad_hidden = torch.empty((tokens, hidden_width), dtype=w1.dtype, device=x.device)
@@ -267,11 +468,11 @@ def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean,
     if tokens:
         args = (grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, dx, grad_hidden, activation, normed,
                 db1_parts, dnw_parts, dnb_parts, tokens, hidden_width, x.stride(0), grad_y.stride(0))
-        _launch(_mlp_sublayer_bwd_tiles, tokens, x.device, config, args, _constexprs(x, w1, config))
+        _launch(_mlp_sublayer_bwd_tiles, tiles, x.device, config, args, _constexprs(x, w1, config))
     return dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts
 
 
-_run_ops = mlp_kernel_ops("triton", _forward, _backward_tiles)
+_run_ops = mlp_kernel_ops("triton", _forward, _backward)
 
 
 def triton_mlp_unsupported_reason(x: torch.Tensor, hidden: int, compute_dtype: torch.dtype) -> str | None:

@@ -80,8 +80,8 @@ class MlpAotConfig:
     @property
     def knobs(self) -> dict:
         if self.direction == "bwd":
-            cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("TRITON_TILES", False),), backward=True)
-            cfg.pop("TRITON_TILES")  # a host-side choice, not a kernel constexpr
+            cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("TRITON_BACKWARD", False),), backward=True)
+            cfg.pop("TRITON_BACKWARD")  # a host-side choice, not a kernel constexpr
             return cfg
         return mlp_sublayer_tlx.tlx_mlp_config(self.d_model)
 

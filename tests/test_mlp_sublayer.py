@@ -46,7 +46,7 @@ def test_parity_rule_catches_a_wrong_gradient(monkeypatch):
     import kernels.mlp_sublayer_triton as triton_mlp
 
     def skewed(*args):
-        dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts = triton_mlp._backward_tiles(*args)
+        dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts = triton_mlp._backward(*args)
         return dx, grad_hidden, activation, normed, db1_parts, dnw_parts * 1.01, dnb_parts
 
     run = dispatcher.mlp_kernel_ops("triton_skewed_for_test", triton_mlp._forward, skewed)
@@ -152,6 +152,34 @@ def test_launch_overrides_change_the_tiling_not_the_result():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", (1, 100, 300))
+def test_plans_agree(tokens):
+    """The "gemms" plans (GEMMs with the elementwise work in their prologues and epilogues, cuBLAS,
+    LayerNorm kernels) compute what the "tiles" plans (token-tile kernels) do, in fp32 up to
+    summation order; tokens and a hidden width that are not multiples of the tiles leave masked edges."""
+    leaves = _leaves(tokens, 32, 48, torch.float32, seed=9)
+    grad_y = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(10))
+    tiles = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton", launch={
+        "fwd": {"plan": "tiles"}, "bwd": {"plan": "tiles"}}), leaves, grad_y)
+    gemm_tiles = {"plan": "gemms", "block_m": 64, "block_n": 32}
+    gemms = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton", launch={
+        "fwd": gemm_tiles, "bwd": gemm_tiles}), leaves, grad_y)
+    for a, b in zip(gemms, tiles):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown Triton mlp_sublayer bwd plan 'fused'"):
+        mlp_sublayer(*leaves, backend="triton", launch={"bwd": {"plan": "fused"}})
+
+
+@pytest.mark.parametrize("dtypes", ("fp16", "fp32_x_fp16_matmul"))
+def test_triton_parity_gemms_forward(dtypes):
+    """The forward's "gemms" plan by the project's rule (the default backward is "gemms" already)."""
+    x_dtype, compute_dtype = DTYPES[dtypes]
+    for tokens in (1, 200):
+        result = mlp_parity("triton", tokens=tokens, d_model=64, hidden=96, x_dtype=x_dtype,
+                            compute_dtype=compute_dtype, launch={"fwd": {"plan": "gemms"}})
+        assert result.ok, result.summary()
+
+
 def test_custom_ops_pass_opcheck():
     """Schemas, fake (meta) implementations against the real kernels, and autograd registration."""
     leaves = _leaves(70, 32, 64, torch.float32, seed=4)
@@ -191,11 +219,15 @@ def test_layer_norm_backward_kernel_matches_autograd():
     leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
     normed = nn.functional.layer_norm(leaves[0], (d_model,), leaves[1], leaves[2], 1e-5)
     dx_ref, dw_ref, db_ref = torch.autograd.grad(normed, leaves, grad_normed)
-    dx = torch.empty_like(x)
-    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, weight, dx)
-    torch.testing.assert_close(dx, dx_ref + grad_y, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dnw_parts.sum(0), dw_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dnb_parts.sum(0), db_ref, rtol=1e-5, atol=1e-5)
+    for store_normed in (False, True):
+        dx = torch.empty_like(x)
+        written = torch.full_like(x, float("nan")) if store_normed else None
+        dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, weight, bias, dx, written)
+        torch.testing.assert_close(dx, dx_ref + grad_y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dnw_parts.sum(0), dw_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dnb_parts.sum(0), db_ref, rtol=1e-5, atol=1e-5)
+        if store_normed:
+            torch.testing.assert_close(written, normed.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_tlx_configs_fit_and_knobs_are_checked():
@@ -212,6 +244,29 @@ def test_tlx_configs_fit_and_knobs_are_checked():
             assert smem_bytes(d_model, cfg["NUM_STAGES"], cfg["NUM_CONSUMERS"], backward) <= SM90_MAX_SMEM
     assert tlx_mlp_config(256, backward=True)["NUM_CONSUMERS"] == 1
     with pytest.raises(ValueError, match="unknown TLX mlp_sublayer fwd tuning knobs"):
-        tlx_mlp_config(256, (("TRITON_TILES", True),))
+        tlx_mlp_config(256, (("TRITON_BACKWARD", True),))
     with pytest.raises(ValueError, match="needs .* B of shared memory"):
         tlx_mlp_config(256, (("NUM_STAGES", 4),))
+
+
+def test_benchmark_runs_variants_on_cpu(tmp_path):
+    """benchmarks/bench_mlp_sublayer.py end to end at a tiny shape: every row timed and checked
+    against the unfused path, a --variant row labelled as given and run with its launch settings."""
+    import json
+
+    from benchmarks import bench_mlp_sublayer
+
+    out = tmp_path / "mlp"
+    bench_mlp_sublayer.main(["--out", str(out), "--device", "cpu", "--tokens", "80", "--d-model", "32", "--hidden",
+                             "64", "--dtype", "float32", "--impls", "unfused_eager", "triton", "--warmup-ms", "1",
+                             "--rep-ms", "1", "--variant", "triton_tiles_bwd", "triton",
+                             '{"bwd": {"plan": "tiles"}}', "--variant", "bad_plan", "triton",
+                             '{"bwd": {"plan": "nope"}}'])
+    rows = {row["impl"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert set(rows) == {"unfused_eager", "triton", "triton_tiles_bwd", "bad_plan"}
+    for name in ("unfused_eager", "triton", "triton_tiles_bwd"):
+        assert "error" not in rows[name] and rows[name]["fwd+bwd_ms"] > 0 and rows[name]["check_rel_err"] < 1e-5
+    assert rows["triton_tiles_bwd"]["backend"] == "triton"
+    assert rows["triton_tiles_bwd"]["launch"] == {"bwd": {"plan": "tiles"}}
+    assert "unknown Triton mlp_sublayer bwd plan 'nope'" in rows["bad_plan"]["error"]
+    assert "triton_tiles_bwd" in out.with_suffix(".md").read_text()
