@@ -82,6 +82,24 @@ def gemm_tflops(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype
     return 2 * m * k * n / (timer(lambda: a @ b) * 1e-3) / 1e12
 
 
+def kernel_times(fn: Callable, iterations: int = 5) -> list[dict]:
+    """Device time per call of fn by kernel (torch.profiler, CUDA activity), largest first: where
+    a row's time goes."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(iterations):
+            fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
+            calls, us = totals.get(event.name, (0, 0.0))
+            totals[event.name] = (calls + 1, us + event.device_time)
+    return [dict(name=name, calls=calls / iterations, ms=us / iterations / 1e3)
+            for name, (calls, us) in sorted(totals.items(), key=lambda item: -item[1][1])]
+
+
 def bench(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
@@ -115,6 +133,8 @@ def bench(args: argparse.Namespace) -> dict:
                 row[f"{pass_}_ms"] = timer(step)
                 if device.type == "cuda":
                     row[f"{pass_}_graph_ms"] = replay_ms(step, timer)
+                if args.profile and device.type == "cuda":
+                    row[f"{pass_}_kernels"] = kernel_times(step)
                 best = row.get(f"{pass_}_graph_ms", row[f"{pass_}_ms"])
                 row[f"{pass_}_tflops"] = sublayer_flops(args.tokens, args.d_model, args.hidden, pass_) / (best * 1e-3) / 1e12
         except Exception as error:  # a row that can't run says why; the others still run
@@ -165,6 +185,11 @@ def render_markdown(report: dict) -> str:
             f"{cell(row, 'fwd+bwd_ms', '.3f')} | {cell(row, 'fwd+bwd_graph_ms', '.3f')} | "
             f"{cell(row, 'fwd+bwd_tflops', '.0f')} | {cell(row, 'fwd+bwd_fraction_of_gemm_ceiling', '.0%')} | "
             f"{cell(row, 'fwd+bwd_speedup_vs_unfused_compiled', '.2f')} | {row.get('error', '')[:160]} |")
+    for row in report["rows"]:
+        if row.get("fwd+bwd_kernels"):
+            lines += ["", f"### Kernels of `{row['impl']}`, fwd+bwd (device ms per call, torch.profiler)", "",
+                      "| kernel | calls | ms |", "|---|---:|---:|"]
+            lines += [f"| `{k['name'][:110]}` | {k['calls']:g} | {k['ms']:.3f} |" for k in row["fwd+bwd_kernels"][:14]]
     return "\n".join(lines) + "\n"
 
 
@@ -182,6 +207,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--variant", nargs=3, action="append", default=[], metavar=("LABEL", "IMPL", "LAUNCH_JSON"),
                         help="an extra row: IMPL (a kernel backend) with these launch settings, e.g. "
                              "--variant triton_tiles_bwd triton '{\"bwd\": {\"plan\": \"tiles\"}}'")
+    parser.add_argument("--profile", action="store_true", help="also record each row's device time per kernel")
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=500)
     return parser.parse_args(argv)

@@ -162,16 +162,17 @@ def mlp_sublayer(
 # ----------------------------------------------------------------------------------------------
 
 
-def mlp_kernel_ops(name: str, forward: Callable, backward_tiles: Callable) -> Callable[..., torch.Tensor]:
+def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable[..., torch.Tensor]:
     """Registers a kernel backend's two launchers as `mlp_sublayer::<name>_forward` / `_backward`
     custom ops with fake and autograd implementations; returns its `run`.
 
         forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch) -> (y, hidden, mean, rstd)
-        backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
-            -> (dx, grad_hidden, activation, normed, db1_parts, dnorm_weight_parts, dnorm_bias_parts)
+        backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
+            -> (dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts)
 
-    hidden, grad_hidden, activation: [T, H] in the compute dtype; normed: LN(x) [T, D] in it; the
-    *_parts: fp32 [tiles, H or D] partial sums, added here in one fixed order.
+    grad_out: grad_y in the compute dtype; hidden, grad_hidden, activation: [T, H] in it; normed:
+    LN(x) [T, D] in it; db1_parts [tiles, H] and column_parts [tiles, 3, D] (the LN weight's, LN
+    bias's and b2's gradients): fp32 partial sums, added here in one fixed order.
     """
 
     @torch.library.custom_op(f"mlp_sublayer::{name}_forward", mutates_args=())
@@ -194,15 +195,16 @@ def mlp_kernel_ops(name: str, forward: Callable, backward_tiles: Callable) -> Ca
         w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor, mean: torch.Tensor,
         rstd: torch.Tensor, eps: float, launch: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts = backward_tiles(
+        dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts = backward(
             grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
         compute_dtype = w1.dtype
         # The weight gradients are sums over every token: two GEMMs over the whole batch.
         dw1 = grad_hidden.t() @ normed
-        dw2 = grad_y.to(compute_dtype).t() @ activation
-        db2 = grad_y.sum(0, dtype=torch.float32)
-        return (dx, dnw_parts.sum(0).to(norm_weight.dtype), dnb_parts.sum(0).to(norm_bias.dtype), dw1,
-                db1_parts.sum(0).to(compute_dtype), dw2, db2.to(compute_dtype))
+        dw2 = grad_out.t() @ activation
+        # Copies: a custom op's outputs may not be views of one another.
+        dnw, dnb, db2 = column_parts.sum(0).unbind(0)
+        return (dx, dnw.to(norm_weight.dtype, copy=True), dnb.to(norm_bias.dtype, copy=True), dw1,
+                db1_parts.sum(0).to(compute_dtype), dw2, db2.to(compute_dtype, copy=True))
 
     @backward_op.register_fake
     def _(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
@@ -215,9 +217,11 @@ def mlp_kernel_ops(name: str, forward: Callable, backward_tiles: Callable) -> Ca
         _, hidden, mean, rstd = output
         ctx.save_for_backward(x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd)
         ctx.eps, ctx.launch = eps, launch
+        # The saved tensors among the outputs get no gradient: don't let autograd fill [T, H] zeros for them.
+        ctx.set_materialize_grads(False)
 
     def backward_formula(ctx, grads):
-        grad_y = grads[0]
+        grad_y = grads[0] if grads[0] is not None else torch.zeros_like(ctx.saved_tensors[0])
         dx, dnw, dnb, dw1, db1, dw2, db2 = backward_op(grad_y, *ctx.saved_tensors, ctx.eps, ctx.launch)
         return dx, dnw, dnb, dw1, db1, dw2, db2, None, None
 

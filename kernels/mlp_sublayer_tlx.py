@@ -36,7 +36,7 @@ try:
 
     # One GELU (and its derivative) for both backends; LayerNorm's backward is the Triton kernel's.
     from .mlp_sublayer_triton import _backward as _triton_backward
-    from .mlp_sublayer_triton import _gelu, _gelu_grad, layer_norm_backward
+    from .mlp_sublayer_triton import _gelu, _gelu_and_grad, layer_norm_backward
 
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
@@ -370,11 +370,12 @@ if HAS_TLX:
                         grad_act = tlx.async_dot(grad_y_buf, w2_bufs[slot])
                         hidden = tlx.local_load(hidden_bufs[slot * NUM_CONSUMERS + cid]).to(tl.float32)
                         grad_act = tlx.async_dot_wait(0, grad_act)
-                        grad_hidden = (grad_act * _gelu_grad(hidden)).to(dtype)
+                        activation, gelu_grad = _gelu_and_grad(hidden)
+                        grad_hidden = (grad_act * gelu_grad).to(dtype)
                         # The previous chunk's stores have read the staging tiles.
                         tlx.async_descriptor_store_wait(0)
                         tlx.local_store(grad_hidden_buf, grad_hidden)
-                        tlx.local_store(activation_buf, _gelu(hidden).to(dtype))
+                        tlx.local_store(activation_buf, activation.to(dtype))
                         tlx.fence_async_shared()
                         acc = tlx.async_dot(grad_hidden_buf, w1_bufs[slot], acc)
                         tlx.async_descriptor_store(desc_grad_hidden, grad_hidden_buf, [row0, c * CHUNK])
@@ -425,7 +426,7 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     return y, hidden, mean, rstd
 
 
-def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
+def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
     tokens, d_model = x.shape
     hidden_width = w1.shape[0]
     overrides = launch_overrides(launch, "bwd")
@@ -459,11 +460,11 @@ def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean,
                 *descs, grad_y, x, norm_weight, norm_bias, mean, rstd, grad_normed, normed, db1_parts,
                 tokens, hidden_width, grad_y.stride(0), D=d_model, num_warps=4, num_stages=1, **cfg,
             )
-    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx)
-    return dx, grad_hidden_rows[:tokens], activation_rows[:tokens], normed, db1_parts, dnw_parts, dnb_parts
+    column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx)
+    return dx, grad_y.to(dtype), grad_hidden_rows[:tokens], activation_rows[:tokens], normed, db1_parts, column_parts
 
 
-_run_ops = mlp_kernel_ops("tlx", _forward, _backward_tiles)
+_run_ops = mlp_kernel_ops("tlx", _forward, _backward)
 
 
 def tlx_mlp_unsupported_reason(x: torch.Tensor, hidden: int, compute_dtype: torch.dtype) -> str | None:

@@ -48,13 +48,20 @@ def _row_stats(x, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _gelu(h):
-    return 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
+def _normal_cdf(h):
+    return 0.5 * (1.0 + tl.erf(h * 0.7071067811865476))
 
 
 @triton.jit
-def _gelu_grad(h):
-    return 0.5 * (1.0 + tl.erf(h * 0.7071067811865476)) + h * 0.3989422804014327 * tl.exp(-0.5 * h * h)
+def _gelu(h):
+    return h * _normal_cdf(h)
+
+
+@triton.jit
+def _gelu_and_grad(h):
+    """GELU(h) and GELU'(h) from one erf (the costly part: the backward's epilogues are bound by it)."""
+    cdf = _normal_cdf(h)
+    return h * cdf, cdf + h * 0.3989422804014327 * tl.exp(-0.5 * h * h)
 
 
 @triton.jit
@@ -172,7 +179,7 @@ def _output_gemm(
 @triton.jit
 def _mlp_sublayer_bwd_tiles(
     grad_y_ptr, x_ptr, norm_weight_ptr, norm_bias_ptr, w1_ptr, w2_ptr, hidden_ptr, mean_ptr, rstd_ptr,
-    dx_ptr, grad_hidden_ptr, activation_ptr, normed_ptr, db1_parts_ptr, dnw_parts_ptr, dnb_parts_ptr,
+    dx_ptr, grad_hidden_ptr, activation_ptr, normed_ptr, db1_parts_ptr, column_parts_ptr,
     T, H, x_stride, grad_y_stride,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -197,16 +204,18 @@ def _mlp_sublayer_bwd_tiles(
     for h0 in range(0, H, BLOCK_H):
         hidden_offs = rows64[:, None] * H + (h0 + hcols)[None, :]
         hidden = tl.load(hidden_ptr + hidden_offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(activation_ptr + hidden_offs, _gelu(hidden).to(dtype), mask=row_ok[:, None])
+        activation, gelu_grad = _gelu_and_grad(hidden)
+        tl.store(activation_ptr + hidden_offs, activation.to(dtype), mask=row_ok[:, None])
         w2 = tl.load(w2_ptr + cols[:, None] * H + (h0 + hcols)[None, :])
         grad_activation = tl.dot(grad_out, w2, input_precision=DOT_PRECISION)
-        grad_hidden = (grad_activation * _gelu_grad(hidden)).to(dtype)
+        grad_hidden = (grad_activation * gelu_grad).to(dtype)
         tl.store(grad_hidden_ptr + hidden_offs, grad_hidden, mask=row_ok[:, None])
         tl.store(db1_parts_ptr + tile * H + h0 + hcols, tl.sum(grad_hidden.to(tl.float32), 0))
         w1 = tl.load(w1_ptr + (h0 + hcols)[:, None] * D + cols[None, :])
         grad_normed = tl.dot(grad_hidden, w1, grad_normed, input_precision=DOT_PRECISION)
-    _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr, dnw_parts_ptr,
-                              dnb_parts_ptr, tile, rows64, row_ok, D)
+    sums = _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr, rows64,
+                                     row_ok, D)
+    _store_column_parts(column_parts_ptr, tile, sums, D)
 
 
 @triton.jit
@@ -238,17 +247,18 @@ def _hidden_grad_gemm(
     offs = rows64[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
     hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(activation_ptr + offs, _gelu(hidden).to(dtype), mask=ok)
-    grad_hidden = (acc * _gelu_grad(hidden)).to(dtype)
+    activation, gelu_grad = _gelu_and_grad(hidden)
+    tl.store(activation_ptr + offs, activation.to(dtype), mask=ok)
+    grad_hidden = (acc * gelu_grad).to(dtype)
     tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
     tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
 
 
 @triton.jit
-def _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y, norm_weight_ptr, dx_ptr, dnw_parts_ptr, dnb_parts_ptr,
-                              tile, rows64, row_ok, D: tl.constexpr):
+def _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y, norm_weight_ptr, dx_ptr, rows64, row_ok, D: tl.constexpr):
     """LayerNorm's backward for fp32 rows, plus the residual's gradient: dx̂ = dLN * weight,
-    dx = grad_y + rstd (dx̂ - mean(dx̂) - x̂ mean(dx̂ x̂)); the affine's partial sums go to row `tile`."""
+    dx = grad_y + rstd (dx̂ - mean(dx̂) - x̂ mean(dx̂ x̂)), stored. Returns the rows' column sums of
+    dLN * x̂, dLN and grad_y: their share of the LN weight's, LN bias's and b2's gradients."""
     cols = tl.arange(0, D)
     weight = tl.load(norm_weight_ptr + cols).to(tl.float32)
     grad_x_hat = grad_normed * weight[None, :]
@@ -256,57 +266,70 @@ def _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y, norm_weight_ptr,
     grad_x_hat_dot_mean = tl.sum(grad_x_hat * x_hat, 1) / D
     dx = grad_y + rstd[:, None] * (grad_x_hat - grad_x_hat_mean[:, None] - x_hat * grad_x_hat_dot_mean[:, None])
     tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(dnw_parts_ptr + tile * D + cols, tl.sum(grad_normed * x_hat, 0))
-    tl.store(dnb_parts_ptr + tile * D + cols, tl.sum(grad_normed, 0))
+    return tl.sum(grad_normed * x_hat, 0), tl.sum(grad_normed, 0), tl.sum(grad_y, 0)
+
+
+@triton.jit
+def _store_column_parts(column_parts_ptr, tile, sums, D: tl.constexpr):
+    """Row `tile` of the [tiles, 3, D] partial sums (LN weight, LN bias, b2), added in a fixed order later."""
+    cols = tl.arange(0, D)
+    for i in tl.static_range(3):
+        tl.store(column_parts_ptr + (tile * 3 + i) * D + cols, sums[i])
 
 
 @triton.jit
 def _layer_norm_bwd_tiles(
     grad_normed_ptr, grad_y_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr, dx_ptr, normed_ptr,
-    dnw_parts_ptr, dnb_parts_ptr, T, x_stride, grad_y_stride,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, STORE_NORMED: tl.constexpr,
+    column_parts_ptr, T, x_stride, grad_y_stride,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, STORE_NORMED: tl.constexpr,
 ):
     """LayerNorm's backward alone, for a backward that computed LN's output gradient outside the
-    token tiles; with STORE_NORMED it also writes LN(x) in normed_ptr's dtype (dW1's operand), from
-    the x it reads anyway."""
+    token tiles, over CHUNKS blocks of BLOCK_M rows (one row of partial sums per program); with
+    STORE_NORMED it also writes LN(x) in normed_ptr's dtype (dW1's operand), from the x it reads anyway."""
     tile = tl.program_id(0)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
     cols = tl.arange(0, D)
-    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    grad_y = tl.load(grad_y_ptr + rows64[:, None] * grad_y_stride + cols[None, :], mask=row_ok[:, None], other=0.0)
-    grad_normed = tl.load(grad_normed_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None],
-                          other=0.0).to(tl.float32)
-    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-    if STORE_NORMED:
-        x_hat, normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)
-        tl.store(normed_ptr + rows64[:, None] * D + cols[None, :], normed.to(normed_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-    else:
-        x_hat = (x - mean[:, None]) * rstd[:, None]
-    _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr, dnw_parts_ptr,
-                              dnb_parts_ptr, tile, rows64, row_ok, D)
+    sums = (tl.zeros((D,), tl.float32), tl.zeros((D,), tl.float32), tl.zeros((D,), tl.float32))
+    for chunk in range(CHUNKS):
+        rows = (tile * CHUNKS + chunk) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < T
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        grad_y = tl.load(grad_y_ptr + rows64[:, None] * grad_y_stride + cols[None, :], mask=row_ok[:, None], other=0.0)
+        grad_normed = tl.load(grad_normed_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None],
+                              other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        if STORE_NORMED:
+            x_hat, normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)
+            tl.store(normed_ptr + rows64[:, None] * D + cols[None, :], normed.to(normed_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:
+            x_hat = (x - mean[:, None]) * rstd[:, None]
+        chunk_sums = _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr,
+                                               rows64, row_ok, D)
+        sums = (sums[0] + chunk_sums[0], sums[1] + chunk_sums[1], sums[2] + chunk_sums[2])
+    _store_column_parts(column_parts_ptr, tile, sums, D)
 
 
-# Rows a LayerNorm program takes: its fp32 rows are D wide, so few rows keep them in registers.
+# Rows a LayerNorm program takes at a time: its fp32 rows are D wide, so few rows keep them in
+# registers; the backward's programs take LAYER_NORM_BWD_CHUNKS such blocks, for fewer partial sums.
 LAYER_NORM_ROWS = 16
+LAYER_NORM_BWD_CHUNKS = 8
 
 
 def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed=None):
-    """Launches _layer_norm_bwd_tiles (writing LN(x) into `normed` too when given); returns
-    LayerNorm's affine partial sums [tiles, D] (fp32)."""
+    """Launches _layer_norm_bwd_tiles (writing LN(x) into `normed` too when given); returns the
+    partial sums [tiles, 3, D] (fp32) of the LN weight's, LN bias's and b2's gradients."""
     tokens, d_model = x.shape
-    tiles = triton.cdiv(tokens, LAYER_NORM_ROWS)
-    dnw_parts = torch.zeros((tiles, d_model), dtype=torch.float32, device=x.device)
-    dnb_parts = torch.zeros_like(dnw_parts)
+    tiles = triton.cdiv(tokens, LAYER_NORM_ROWS * LAYER_NORM_BWD_CHUNKS)
+    # Zeros: an empty batch has no tiles, and its sums are zero.
+    column_parts = torch.zeros((tiles, 3, d_model), dtype=torch.float32, device=x.device)
     if tokens:
         args = (grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, dx if normed is None else normed,
-                dnw_parts, dnb_parts, tokens, x.stride(0), grad_y.stride(0))
+                column_parts, tokens, x.stride(0), grad_y.stride(0))
         _launch(_layer_norm_bwd_tiles, tiles, x.device, LaunchConfig(block_m=LAYER_NORM_ROWS), args,
-                dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS, STORE_NORMED=normed is not None))
-    return dnw_parts, dnb_parts
+                dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS, CHUNKS=LAYER_NORM_BWD_CHUNKS, STORE_NORMED=normed is not None))
+    return column_parts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +358,8 @@ PLANS = ("tiles", "gemms")
 # Backward "tiles" keeps LN's [block_m, D] fp32 output gradient on chip across the hidden chunks; at
 # d_model 256 that accumulator limits an SM to two tiles, each streaming all of W1 and W2 from L2:
 # it ran 2.4x slower than the compiled unfused backward (benchmarks/results/mlp_sublayer_h200.md).
-DEFAULT_PLAN = {"fwd": "tiles", "bwd": "gemms"}
+# Defaults: "gemms" both ways, faster on the H200 at d_model 256 (benchmarks/results/mlp_sublayer_h200.md).
+DEFAULT_PLAN = {"fwd": "gemms", "bwd": "gemms"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,8 +473,8 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     normed = torch.empty((tokens, d_model), dtype=w1.dtype, device=x.device)
-    dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed)
-    return dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts
+    column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed)
+    return dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts
 
 
 def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config):
@@ -463,13 +487,12 @@ def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     normed = torch.empty((tokens, d_model), dtype=w1.dtype, device=x.device)
     # Zeros: an empty batch has no tiles, and its sums are zero.
     db1_parts = torch.zeros((tiles, hidden_width), dtype=torch.float32, device=x.device)
-    dnw_parts = torch.zeros((tiles, d_model), dtype=torch.float32, device=x.device)
-    dnb_parts = torch.zeros_like(dnw_parts)
+    column_parts = torch.zeros((tiles, 3, d_model), dtype=torch.float32, device=x.device)
     if tokens:
         args = (grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, dx, grad_hidden, activation, normed,
-                db1_parts, dnw_parts, dnb_parts, tokens, hidden_width, x.stride(0), grad_y.stride(0))
+                db1_parts, column_parts, tokens, hidden_width, x.stride(0), grad_y.stride(0))
         _launch(_mlp_sublayer_bwd_tiles, tiles, x.device, config, args, _constexprs(x, w1, config))
-    return dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts
+    return dx, grad_y.to(w1.dtype), grad_hidden, activation, normed, db1_parts, column_parts
 
 
 _run_ops = mlp_kernel_ops("triton", _forward, _backward)

@@ -33,12 +33,10 @@ for s in "$@"; do
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
     # Variant rows: each plan of the Triton kernels and launch settings around their defaults, in the same run.
-    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_mlp_sublayer --out "$OUT/mlp_sublayer_h200" \
+    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_mlp_sublayer --out "$OUT/mlp_sublayer_h200" --profile \
         --variant triton_tiles triton '{"fwd": {"plan": "tiles"}, "bwd": {"plan": "tiles"}}' \
-        --variant triton_gemms_fwd triton '{"fwd": {"plan": "gemms"}}' \
-        --variant triton_gemms_fwd_m64 triton '{"fwd": {"plan": "gemms", "block_m": 64, "num_warps": 4}}' \
+        --variant triton_gemms_bwd_n64 triton '{"bwd": {"block_n": 64}}' \
         --variant triton_gemms_bwd_m64 triton '{"bwd": {"block_m": 64, "num_warps": 4}}' \
-        --variant triton_gemms_bwd_n256 triton '{"bwd": {"block_n": 256}}' \
         --variant tlx_tiles_bwd tlx '{"bwd": {"TRITON_BACKWARD": false}}' ;;
     # The step with and without the fused MLP sublayer, back to back on one machine.
     profile_mlp) for fused in true false; do

@@ -46,8 +46,9 @@ def test_parity_rule_catches_a_wrong_gradient(monkeypatch):
     import kernels.mlp_sublayer_triton as triton_mlp
 
     def skewed(*args):
-        dx, grad_hidden, activation, normed, db1_parts, dnw_parts, dnb_parts = triton_mlp._backward(*args)
-        return dx, grad_hidden, activation, normed, db1_parts, dnw_parts * 1.01, dnb_parts
+        dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts = triton_mlp._backward(*args)
+        skew = torch.tensor([1.01, 1.0, 1.0])[:, None]  # the LN weight's row of the partial sums
+        return dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts * skew
 
     run = dispatcher.mlp_kernel_ops("triton_skewed_for_test", triton_mlp._forward, skewed)
     monkeypatch.setitem(dispatcher._loaded, "triton", dataclasses.replace(get_mlp_backend("triton"), run=run))
@@ -171,12 +172,12 @@ def test_plans_agree(tokens):
 
 
 @pytest.mark.parametrize("dtypes", ("fp16", "fp32_x_fp16_matmul"))
-def test_triton_parity_gemms_forward(dtypes):
-    """The forward's "gemms" plan by the project's rule (the default backward is "gemms" already)."""
+def test_triton_parity_tiles_plans(dtypes):
+    """The "tiles" plans by the project's rule (the parity matrix above runs the default "gemms")."""
     x_dtype, compute_dtype = DTYPES[dtypes]
     for tokens in (1, 200):
         result = mlp_parity("triton", tokens=tokens, d_model=64, hidden=96, x_dtype=x_dtype,
-                            compute_dtype=compute_dtype, launch={"fwd": {"plan": "gemms"}})
+                            compute_dtype=compute_dtype, launch={"fwd": {"plan": "tiles"}, "bwd": {"plan": "tiles"}})
         assert result.ok, result.summary()
 
 
@@ -222,10 +223,12 @@ def test_layer_norm_backward_kernel_matches_autograd():
     for store_normed in (False, True):
         dx = torch.empty_like(x)
         written = torch.full_like(x, float("nan")) if store_normed else None
-        dnw_parts, dnb_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, weight, bias, dx, written)
+        dnw, dnb, grad_y_sum = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, weight, bias, dx,
+                                                   written).sum(0)
         torch.testing.assert_close(dx, dx_ref + grad_y, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dnw_parts.sum(0), dw_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dnb_parts.sum(0), db_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dnw, dw_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dnb, db_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad_y_sum, grad_y.sum(0), rtol=1e-5, atol=1e-5)
         if store_normed:
             torch.testing.assert_close(written, normed.detach(), rtol=1e-5, atol=1e-5)
 
