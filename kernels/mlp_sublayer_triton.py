@@ -244,6 +244,7 @@ def _hidden_grad_gemm(
         grad_out = tl.load(grad_out_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
         w2 = tl.load(w2_ptr + ks[:, None] * H + hcols[None, :], mask=hcol_ok[None, :], other=0.0)
         acc = tl.dot(grad_out, w2, acc, input_precision=DOT_PRECISION)
+    # Loaded after the matmul, not before: held across it, it cost registers and ran slower on the H200.
     offs = rows64[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
     hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -374,8 +375,13 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
     if plan not in PLANS:
         raise ValueError(f"unknown Triton mlp_sublayer {direction} plan {plan!r}; choose one of {PLANS}")
     if plan == "gemms":
-        # A GEMM's tiles: 128 x 128 over 8 warps, a 3-deep pipeline of its K steps.
-        default = LaunchConfig(plan=plan, block_m=128, num_warps=8, num_stages=3)
+        # A GEMM's tiles, a 3-deep pipeline of its K steps. The forward's: 128 x 128 over 8 warps.
+        # The backward's: 64 x 64 over 4: with K = d_model its epilogue (GELU and its derivative)
+        # outweighs its matmul, and small programs overlap more of them (0.57 ms against 0.93 at
+        # 128 x 128 on the H200, benchmarks/results/mlp_sublayer_h200.md).
+        wide = direction == "fwd"
+        default = LaunchConfig(plan=plan, block_m=128 if wide else 64, block_n=128 if wide else 64,
+                               num_warps=8 if wide else 4, num_stages=3)
     else:
         # A [64, 256] fp32 accumulator is 128 registers a thread over 4 warps: give it 8. At d_model
         # 256 each program streams all of W1 and W2 (1 MB in bf16) from L2 per tile, so the forward

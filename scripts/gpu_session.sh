@@ -35,8 +35,10 @@ for s in "$@"; do
     # Variant rows: each plan of the Triton kernels and launch settings around their defaults, in the same run.
     mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_mlp_sublayer --out "$OUT/mlp_sublayer_h200" --profile \
         --variant triton_tiles triton '{"fwd": {"plan": "tiles"}, "bwd": {"plan": "tiles"}}' \
-        --variant triton_gemms_bwd_n64 triton '{"bwd": {"block_n": 64}}' \
-        --variant triton_gemms_bwd_m64 triton '{"bwd": {"block_m": 64, "num_warps": 4}}' \
+        --variant triton_gemms_bwd_n128 triton '{"bwd": {"block_n": 128}}' \
+        --variant triton_gemms_bwd_m64_w4 triton '{"bwd": {"block_m": 64, "num_warps": 4}}' \
+        --variant triton_gemms_bwd_2_stages triton '{"bwd": {"num_stages": 2}}' \
+        --variant triton_gemms_fwd_n256 triton '{"fwd": {"block_n": 256}}' \
         --variant tlx_tiles_bwd tlx '{"bwd": {"TRITON_BACKWARD": false}}' ;;
     # The step with and without the fused MLP sublayer, back to back on one machine.
     profile_mlp) for fused in true false; do
