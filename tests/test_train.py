@@ -378,3 +378,20 @@ def test_task_trains_through_the_strategys_pipelined_step_while_it_has_one(tmp_p
     assert not task.automatic_optimization and takes_iterator()
     strategy.pipelined_step = None
     assert task.automatic_optimization and not takes_iterator()
+
+
+def test_checkpoint_from_before_the_network_was_named_net_loads(tmp_path):
+    """Checkpoints written while RankingTask kept its network as `model` hold "model." keys."""
+    from data.datamodule import CTRDataModule
+
+    data = CTRDataModule(data_dir=str(tmp_path), num_train=64, num_val=32, batch_size=32, vocab_size=50,
+                         num_items=50, max_history_len=16)
+    saved, fresh = (train.RankingTask(data.schema.to_dict()) for _ in range(2))
+    state = saved.state_dict()
+    old = {f"model.{k.removeprefix('net.')}" if k.startswith("net.") else k: v for k, v in state.items()}
+    assert any(k.startswith("model.") for k in old) and not any(k.startswith("net.") for k in old)
+    checkpoint = {"state_dict": old}
+    fresh.on_load_checkpoint(checkpoint)  # as Lightning and load_from_checkpoint call it, before loading
+    fresh.load_state_dict(checkpoint["state_dict"])
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
