@@ -45,6 +45,7 @@ from models.baselines import BASELINE_ARCHS, BaselineConfig, BaselineModel
 from models.flops import sample_token_counts, train_step_flops
 from models import memory
 from training.callbacks import CheckpointConfig, LastCheckpoint, RunProgressBar, StepMetrics, continue_metrics
+from training.pipeline import PipelinedTrainingStep
 from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
@@ -75,18 +76,20 @@ class OptimConfig:
 
 
 class RankingTask(L.LightningModule):
-    """The model plus its loss, metrics and optimizer.
+    """The network plus its loss, metrics and optimizer: the LightningModule, `model` in the config.
 
     Args:
         schema: the dataset's features, FeatureSchema.to_dict's form (linked from the data module, never
             set in a config). Plain data, so checkpoints hold no classes and load with weights_only=True.
-        net: the block-attention model's sizes, attention backend and compilation.
+        net: the block-attention network's sizes, attention backend and compilation (`model.net`).
         optim: optimizer and learning-rate schedule.
         peak_flops: the FLOP/s MFU is measured against; None = the device's dense bf16/fp16 datasheet
             peak when training runs in bf16/fp16 on a known GPU (H100, H200, A100), else no MFU.
         arch: the architecture: block_attention (models/ranking.py, sized by `net`) or a baseline
             (models/baselines.py, sized by `baseline`): lr, dlrm, dcnv2, deepfm.
         baseline: the baselines' sizes.
+
+    The network (an nn.Module) is `self.net`: a RankingModel built from `net`, or a BaselineModel.
     """
 
     def __init__(
@@ -100,57 +103,78 @@ class RankingTask(L.LightningModule):
     ):
         super().__init__()
         # The resolved config.yaml in the run folder is the readable record; the
-        # checkpoint keeps these so RankingTask.load_from_checkpoint rebuilds the model.
+        # checkpoint keeps these so RankingTask.load_from_checkpoint rebuilds the network.
         self.save_hyperparameters(logger=False)
         self.optim_config = optim
         schema = FeatureSchema.from_dict(schema)
-        self.model = RankingModel(schema, net) if arch == BLOCK_ATTENTION else BaselineModel(schema, arch, baseline)
+        self.net = RankingModel(schema, net) if arch == BLOCK_ATTENTION else BaselineModel(schema, arch, baseline)
         self.val_logloss = MeanMetric()
         self.val_ctr = MeanMetric()
         self.val_mean_prediction = MeanMetric()
         self.val_auc = BinaryAUROC()
 
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Checkpoints written before the network was named `net` hold its weights under "model.".
+        state = checkpoint.get("state_dict")
+        if state and not any(key.startswith("net.") for key in state):
+            checkpoint["state_dict"] = {f"net.{key.removeprefix('model.')}" if key.startswith("model.") else key: value
+                                        for key, value in state.items()}
+
     def step_flops(self, batch: Batch) -> tuple[int, int]:
         """(tokens, training FLOPs) of a batch, from its host-side lengths: no device read."""
-        if isinstance(self.model, BaselineModel):  # no tokens; FLOPs per sample
-            return 0, self.model.train_step_flops(batch.batch_size)
+        if isinstance(self.net, BaselineModel):  # no tokens; FLOPs per sample
+            return 0, self.net.train_step_flops(batch.batch_size)
         history = batch.history_lengths
         if history is None:  # a Batch built by hand rather than by the collate: read the lengths
             lengths = batch.sequence.lengths().view(-1, batch.batch_size) if batch.sequence.keys() else None
             history = lengths.sum(0).cpu().numpy() if lengths is not None else [0] * batch.batch_size
-        config, schema = self.model.config, self.model.schema
+        config, schema = self.net.config, self.net.schema
         return int(sample_token_counts(config, schema, history).sum()), train_step_flops(config, schema, history)
 
-    def setup(self, stage: str) -> None:
-        strategy = self.trainer.strategy
-        pipelined = stage == "fit" and isinstance(strategy, TorchrecStrategy) and strategy.sharding.pipeline
-        # With sharding.pipeline, torchrec's pipeline runs forward, backward and the optimizer step,
-        # and Lightning hands the step its data iterator (the signature tells it to).
-        self.automatic_optimization = not pipelined
-        if pipelined:
-            self.training_step = self.pipelined_training_step
-        else:
-            self.__dict__.pop("training_step", None)
+    # How the task trains follows the strategy's config: with sharding.pipeline the TorchrecStrategy
+    # holds a PipelinedTrainingStep (training/pipeline.py) while it fits, and the task trains through
+    # it: manual optimization (the pipeline steps the optimizer) and a step that takes Lightning's data
+    # iterator (Lightning reads the step's signature). Computed rather than set in __init__: Lightning
+    # refuses Trainer(gradient_clip_val) for a manual-optimization module before the strategy is set
+    # up, and the pipelined step clips as that setting says.
+
+    @property
+    def pipelined_step(self) -> PipelinedTrainingStep | None:
+        """The strategy's pipelined training step while a fit runs with sharding.pipeline, else None."""
+        try:
+            strategy = self.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer
+            return None
+        return strategy.pipelined_step if isinstance(strategy, TorchrecStrategy) else None
+
+    @property
+    def automatic_optimization(self) -> bool:
+        return self.pipelined_step is None
+
+    @property
+    def training_step(self):
+        """The step Lightning runs: plain_training_step, or pipelined_training_step through the pipeline."""
+        return self.plain_training_step if self.pipelined_step is None else self.pipelined_training_step
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """The training loss, and the step's outputs: what torchrec's TrainPipelineSparseDist calls."""
-        if self.model.config.compile and "reduce-overhead" in self.model.config.compile_mode:
+        if self.net.config.compile and "reduce-overhead" in self.net.config.compile_mode:
             # CUDA-graph trees reuse their output memory from step to step: tell them a new one starts.
             torch.compiler.cudagraph_mark_step_begin()
-        logits, _ = self.model(batch)
-        loss = self.model.loss(logits, batch.labels)
+        logits, _ = self.net(batch)
+        loss = self.net.loss(logits, batch.labels)
         return loss, {"loss": loss.detach(), "batch": batch}
 
-    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+    def plain_training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         # Logged by StepMetrics, a window of steps at a time: a per-step self.log of a tensor would
         # read it back to the host (the progress bar does) and stall the device queue every step.
         loss, _ = self(batch)
         return loss
 
     def pipelined_training_step(self, dataloader_iter) -> dict:
-        """The training step under sharding.pipeline: one batch, or at the end of an epoch's batches
-        every one still in flight. "steps" holds each trained batch's outputs (forward's, with "lr")."""
-        steps = self.trainer.strategy.train_pipeline.progress(dataloader_iter)
+        """One batch, or at the end of an epoch's batches every one still in flight, trained by the
+        pipeline. "steps" holds each trained batch's outputs (forward's, with "lr")."""
+        steps = self.pipelined_step(dataloader_iter)
         if isinstance(self.trainer.datamodule, CTRDataModule):
             for step in steps:  # counted once trained: the pipeline fetched it two steps earlier
                 self.trainer.datamodule.count_trained(step["batch"])
@@ -171,9 +195,9 @@ class RankingTask(L.LightningModule):
 
     def score(self, batch: Batch) -> None:
         """Adds a validation or test batch's predictions to the metrics."""
-        if self.model.config.compile and "reduce-overhead" in self.model.config.compile_mode:
+        if self.net.config.compile and "reduce-overhead" in self.net.config.compile_mode:
             torch.compiler.cudagraph_mark_step_begin()
-        logits, _ = self.model(batch)
+        logits, _ = self.net(batch)
         logits, labels = logits.float(), batch.labels.float()
         predictions = torch.sigmoid(logits)
         self.val_logloss.update(F.binary_cross_entropy_with_logits(logits, labels, reduction="none"))
@@ -222,9 +246,9 @@ class RankingTask(L.LightningModule):
     def configure_optimizers(self):
         # Under the torchrec strategy the sharded tables train with their fused sparse optimizer
         # inside backward: the dense optimizer owns everything else (data_parallel tables included).
-        embedding_ids = sharding.embedding_parameter_ids(self.model)
+        embedding_ids = sharding.embedding_parameter_ids(self.net)
         decay, no_decay = [], []
-        for parameter in sharding.dense_parameters(self.model):
+        for parameter in sharding.dense_parameters(self.net):
             is_matrix = parameter.dim() >= 2 and id(parameter) not in embedding_ids
             (decay if is_matrix else no_decay).append(parameter)
         optim = self.optim_config
@@ -378,15 +402,15 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_float32_matmul_precision("high")
     # Fail before any data is prepared if the chosen kernel cannot run on this device.
     try:
-        if isinstance(task.model, RankingModel):
-            kernels.check_backend(task.model.config.attn_backend, trainer.strategy.root_device)
-            if task.model.config.fused_mlp:
-                kernels.check_mlp_backend(task.model.config.mlp_backend, trainer.strategy.root_device)
+        if isinstance(task.net, RankingModel):
+            kernels.check_backend(task.net.config.attn_backend, trainer.strategy.root_device)
+            if task.net.config.fused_mlp:
+                kernels.check_mlp_backend(task.net.config.mlp_backend, trainer.strategy.root_device)
     except kernels.BackendUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        check_training_memory(task.model, datamodule.batch_size, trainer, cli.config)
+        check_training_memory(task.net, datamodule.batch_size, trainer, cli.config)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -413,20 +437,20 @@ def main(argv: list[str] | None = None) -> None:
         report_run(trainer)
 
 
-def check_training_memory(model, batch_size: int, trainer: L.Trainer, config) -> None:
-    """ValueError when the dense path's training state and activations (models/memory.py) exceed
+def check_training_memory(net: torch.nn.Module, batch_size: int, trainer: L.Trainer, config) -> None:
+    """ValueError when the network's dense training state and activations (models/memory.py) exceed
     --memory_limit_gib, by default what the device has available; the weights already built on the
     CPU count as held."""
     if config.memory_limit_gib == 0 or config.trainer.strategy == "torchrec":  # fused sparse optimizers
         return
     device = trainer.strategy.root_device
-    if isinstance(model, RankingModel):
-        net = model.config
-        tokens_per_sample = model.tower.num_fixed_tokens + sum(max_len for _, _, max_len in model.schema.sequence)
-        estimate = memory.estimate_training_memory(model, batch_size * tokens_per_sample, net.d_model,
-                                                   net.num_layers, net.mlp_ratio)
+    if isinstance(net, RankingModel):
+        sizes = net.config
+        tokens_per_sample = net.tower.num_fixed_tokens + sum(max_len for _, _, max_len in net.schema.sequence)
+        estimate = memory.estimate_training_memory(net, batch_size * tokens_per_sample, sizes.d_model,
+                                                   sizes.num_layers, sizes.mlp_ratio)
     else:  # a baseline: no tokens, and activations of a few hundred values a sample
-        estimate = memory.estimate_training_memory(model, 0, 0, 0, 0)
+        estimate = memory.estimate_training_memory(net, 0, 0, 0, 0)
     held = 4 * estimate.parameters if device.type == "cpu" else 0  # fp32 weights, built on the CPU
     if config.memory_limit_gib is not None:
         limit, where = int(config.memory_limit_gib * memory.GIB) - held, "--memory_limit_gib"

@@ -309,17 +309,17 @@ def scenario_lightning(rank: int, world_size: int, args: dict) -> dict:
     class Task(L.LightningModule):
         def __init__(self, seed: int):
             super().__init__()
-            self.model = build_model(seed)
+            self.net = build_model(seed)
 
         def training_step(self, batch, batch_idx):
-            logits, _ = self.model(batch)
-            loss = self.model.loss(logits, batch.labels)
+            logits, _ = self.net(batch)
+            loss = self.net.loss(logits, batch.labels)
             self.log("loss", loss, batch_size=batch.batch_size)
             return loss
 
         def validation_step(self, batch, batch_idx):
-            logits, _ = self.model(batch)
-            self.log("val_loss", self.model.loss(logits, batch.labels), batch_size=batch.batch_size, sync_dist=True)
+            logits, _ = self.net(batch)
+            self.log("val_loss", self.net.loss(logits, batch.labels), batch_size=batch.batch_size, sync_dist=True)
 
         def configure_optimizers(self):
             # Deliberately every parameter: the strategy must leave the fused tables out.
@@ -340,10 +340,10 @@ def scenario_lightning(rank: int, world_size: int, args: dict) -> dict:
         )  # fmt: skip
 
     def predictions(task: Task) -> torch.Tensor:
-        task.model.eval()  # the sharded RankingModel: its tables still sharded after fit
+        task.net.eval()  # the sharded RankingModel: its tables still sharded after fit
         with torch.no_grad():
-            out = torch.cat([task.model(batch_rows(step, rank, world_size))[0] for step in EVAL_STEPS])
-        task.model.train()
+            out = torch.cat([task.net(batch_rows(step, rank, world_size))[0] for step in EVAL_STEPS])
+        task.net.train()
         return out
 
     straight = Task(seed=0)

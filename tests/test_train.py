@@ -73,7 +73,7 @@ def test_run_folder_holds_resolved_config_and_checkpoints(tiny_run):
     # A notebook rebuilds the trained model from the checkpoint alone.
     last = run_folder / "checkpoints" / "last.ckpt"
     task = train.RankingTask.load_from_checkpoint(last, weights_only=True)
-    assert task.model.config.d_model == 32 and task.optim_config.lr == 0.005
+    assert task.net.config.d_model == 32 and task.optim_config.lr == 0.005
     # last.ckpt holds the latest validation's state (step 40), whichever step scored the best NE.
     assert torch.load(last, weights_only=True)["global_step"] == 40
 
@@ -352,3 +352,46 @@ def test_progress_bar_after_a_resume_shows_the_epoch_and_version(tmp_path):
     assert bar and re.match(r"Epoch 1: .*\| 12/32 .*v_num=0\b", bar[-1]), bar[-1]
     assert not any("on_0" in line or "/-2" in line for line in bar), bar
     assert sorted(p.name for p in (tmp_path / "runs" / "tiny").iterdir()) == ["version_0"]
+
+
+def test_task_trains_through_the_strategys_pipelined_step_while_it_has_one(tmp_path):
+    """sharding.pipeline reaches Lightning through the task: while the torchrec strategy holds a
+    pipelined step, manual optimization and a step that takes the data iterator (Lightning reads its
+    signature); otherwise, and off a Trainer, the plain step under automatic optimization."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    from data.datamodule import CTRDataModule
+    from training.strategy import TorchrecStrategy
+
+    data = CTRDataModule(data_dir=str(tmp_path), num_train=64, num_val=32, batch_size=32, vocab_size=50,
+                         num_items=50, max_history_len=16)
+    task = train.RankingTask(data.schema.to_dict())
+
+    def takes_iterator() -> bool:
+        return is_param_in_hook_signature(task.training_step, "dataloader_iter", explicit=True)
+
+    assert task.automatic_optimization and not takes_iterator()
+    strategy = TorchrecStrategy()
+    task.trainer = SimpleNamespace(strategy=strategy)
+    assert task.automatic_optimization and not takes_iterator()
+    strategy.pipelined_step = object()  # what TorchrecStrategy.setup builds for a fit with sharding.pipeline
+    assert not task.automatic_optimization and takes_iterator()
+    strategy.pipelined_step = None
+    assert task.automatic_optimization and not takes_iterator()
+
+
+def test_checkpoint_from_before_the_network_was_named_net_loads(tmp_path):
+    """Checkpoints written while RankingTask kept its network as `model` hold "model." keys."""
+    from data.datamodule import CTRDataModule
+
+    data = CTRDataModule(data_dir=str(tmp_path), num_train=64, num_val=32, batch_size=32, vocab_size=50,
+                         num_items=50, max_history_len=16)
+    saved, fresh = (train.RankingTask(data.schema.to_dict()) for _ in range(2))
+    state = saved.state_dict()
+    old = {f"model.{k.removeprefix('net.')}" if k.startswith("net.") else k: v for k, v in state.items()}
+    assert any(k.startswith("model.") for k in old) and not any(k.startswith("net.") for k in old)
+    checkpoint = {"state_dict": old}
+    fresh.on_load_checkpoint(checkpoint)  # as Lightning and load_from_checkpoint call it, before loading
+    fresh.load_state_dict(checkpoint["state_dict"])
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)

@@ -1,7 +1,10 @@
-"""Pipelined training (ShardingConfig.pipeline): torchrec's TrainPipelineSparseDist driven by
-Lightning's training loop, so the next batch's copy to the device and its input all-to-all overlap
-this step. TorchrecStrategy (training/strategy.py) builds and pauses it; the LightningModule's
-training_step calls progress()."""
+"""Pipelined training (ShardingConfig.pipeline): torchrec's TrainPipelineSparseDist as the training step
+of a Lightning fit, so the next batch's copy to the device and its input all-to-all overlap this step.
+
+TorchrecStrategy (training/strategy.py) builds a PipelinedTrainingStep when it sets up a fit with
+sharding.pipeline and keeps it as `strategy.pipelined_step`; the LightningModule trains through it
+while it is there (RankingTask in train.py: manual optimization, training_step(dataloader_iter)).
+"""
 
 from __future__ import annotations
 
@@ -9,58 +12,59 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torchrec.distributed.types import ShardedModule
 
 if TYPE_CHECKING:
-    from .strategy import TorchrecStrategy
+    from .strategy import SparseLearningRate, TorchrecStrategy
 
 
-class LightningTrainPipeline:
-    """torchrec's TrainPipelineSparseDist driven by Lightning's training loop (ShardingConfig.pipeline).
+class PipelinedTrainingStep:
+    """A Lightning training step run by torchrec's TrainPipelineSparseDist (ShardingConfig.pipeline).
 
     The pipeline runs forward, backward and the optimizer step itself, and fetches two batches ahead:
     while batch i trains, batch i+1's features are distributed and batch i+2 is copied to the device,
     each on its own stream. So the LightningModule trains under manual optimization, taking Lightning's
     data iterator (training_step(dataloader_iter)), and its forward(batch) must return (loss, a dict of
-    outputs), as the pipeline calls it. progress() trains one batch per Lightning step, except at the
-    end of an epoch's batches: the batches still in flight train in that same step (each one an
-    optimizer step and a count in Lightning's batch progress), so an epoch ends with all of its
-    batches trained and a checkpoint at its end resumes exactly. What differs from automatic
-    optimization: no fp16 gradient scaler (32-true or bf16-mixed), no gradient accumulation, and
-    Lightning validates at every epoch's end (its rule for a step that takes the iterator).
+    outputs), as the pipeline calls the model (the DMP) on each batch. A call trains one batch per
+    Lightning step, except at the end of an epoch's batches: the batches still in flight train in that
+    same step (each one an optimizer step and a batch in Lightning's loop counters), so an epoch ends
+    with all of its batches trained and a checkpoint at its end resumes exactly. What differs from
+    automatic optimization: no fp16 gradient scaler (32-true or bf16-mixed), no gradient accumulation,
+    and Lightning validates at every epoch's end (its rule for a step that takes the iterator).
     """
 
-    def __init__(self, strategy: "TorchrecStrategy"):
+    def __init__(self, module: pl.LightningModule, dmp: nn.Module, device: torch.device,
+                 sparse_lr: "SparseLearningRate | None"):
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        self.strategy = strategy
-        self.pipeline = TrainPipelineSparseDist(strategy.model, _PipelineOptimizer(strategy), strategy.root_device)
+        self.module, self.dmp = module, dmp
+        self.pipeline = TrainPipelineSparseDist(dmp, _PipelineOptimizer(module, sparse_lr), device)
         self._epoch_iterator: Any = None  # Lightning's iterator of the current epoch
         self._batches: _EpochBatches | None = None
         self._paused: list[tuple[nn.Module, Any]] = []
         self._announced = False
 
-    def progress(self, dataloader_iter: Any) -> list[dict[str, Any]]:
+    def __call__(self, dataloader_iter: Any) -> list[dict[str, Any]]:
         """Trains the next batch, or at the end of the epoch's batches every one left; returns, per
         trained batch, the forward's outputs with "lr", the rate its optimizer step used."""
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.module.trainer
         epoch_loop = trainer.fit_loop.epoch_loop
-        batch_progress = epoch_loop.batch_progress
         if dataloader_iter is not self._epoch_iterator:  # a new (or resumed) epoch
             # Lightning has counted this step's batch already; limit_train_batches may end the epoch early.
-            remaining = trainer.num_training_batches - (batch_progress.current.ready - 1)
+            remaining = trainer.num_training_batches - (epoch_loop.batch_progress.current.ready - 1)
             self._epoch_iterator, self._batches = dataloader_iter, _EpochBatches(dataloader_iter, remaining)
         # Lightning's validation leaves the DMP in eval mode (it restores the LightningModule's mode
         # only), and the pipeline skips backward and the optimizer step for a model in eval mode.
         # Compared first: train() walks every submodule, host work this step need not pay otherwise.
-        dmp, training = self.strategy.model, self.strategy.lightning_module.training
-        if dmp.training != training:
-            dmp.train(training)
+        if self.dmp.training != self.module.training:
+            self.dmp.train(self.module.training)
         steps = [self._train_one()]
         if not self._announced:  # the first step traced the model and chose the modules to pipeline
             self._announced = True
+            # torchrec's own list (private); no public accessor says which modules it pipelines.
             pipelined = len(self.pipeline._pipelined_modules)
             rank_zero_info(f"sharding.pipeline: TrainPipelineSparseDist pipelines {pipelined} sharded module(s)")
             if not pipelined:
@@ -72,14 +76,16 @@ class LightningTrainPipeline:
                     steps.append(self._train_one())
                 except StopIteration:
                     break
-            # Lightning counts one batch per step, in its batch progress (validation schedule, epoch
-            # end) and in the step its loggers see (the validation rows' index).
-            batch_progress.increment_by(len(steps) - 1)
+            # Lightning counts one batch per step; this one trained len(steps). Its batch progress drives
+            # the validation schedule, the epoch's end and a resume's position: advanced with the loop's
+            # own method. The step index loggers see (a validation row's) has no public way in: a
+            # validation after this step would otherwise be logged len(steps) - 1 steps early.
+            epoch_loop.batch_progress.increment_by(len(steps) - 1)
             epoch_loop._batches_that_stepped += len(steps) - 1
         return steps
 
     def _train_one(self) -> dict[str, Any]:
-        lr = self.strategy.optimizers[0].param_groups[0]["lr"]
+        lr = self.module.trainer.optimizers[0].param_groups[0]["lr"]
         outputs = self.pipeline.progress(self._batches)
         if not isinstance(outputs, Mapping):
             raise TypeError("with sharding.pipeline, the LightningModule's forward must return (loss, dict of outputs); "
@@ -91,7 +97,7 @@ class LightningTrainPipeline:
         them with ones that read features it distributed ahead, which a validation batch never is.
         Not pipeline.detach(): re-attaching restarts the input all-to-all of the batch in flight."""
         self._paused = [(module, module.__dict__.pop("forward"))
-                        for module in _sharded_modules_and_input_dists(self.strategy.model) if "forward" in module.__dict__]
+                        for module in _sharded_modules_and_input_dists(self.dmp) if "forward" in module.__dict__]
 
     def resume(self) -> None:
         for module, forward in self._paused:
@@ -136,23 +142,24 @@ class _EpochBatches:
 
 
 class _PipelineOptimizer:
-    """What TrainPipelineSparseDist steps once per batch, doing what Lightning's automatic
-    optimization would around the LightningModule's one optimizer."""
+    """What TrainPipelineSparseDist steps once per batch: the LightningModule's one optimizer, through
+    Lightning's manual-optimization interface, doing what automatic optimization would around it."""
 
-    def __init__(self, strategy: "TorchrecStrategy"):
-        self.strategy = strategy
+    def __init__(self, module: pl.LightningModule, sparse_lr: "SparseLearningRate | None"):
+        self.module, self.sparse_lr = module, sparse_lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The first thing of each step, before its backward (where the fused table update runs).
-        self.strategy._schedule_sparse_lr()
-        self.strategy.lightning_module.optimizers().zero_grad(set_to_none=set_to_none)
+        if self.sparse_lr is not None:
+            self.sparse_lr.apply()
+        self.module.optimizers().zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
-        module = self.strategy.lightning_module
-        trainer = module.trainer
-        optimizer = module.optimizers()  # the LightningOptimizer: its step counts the global step
+        trainer = self.module.trainer
+        optimizer = self.module.optimizers()  # the LightningOptimizer: its step counts the global step
         if trainer.gradient_clip_val:
-            module.configure_gradient_clipping(optimizer.optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            self.module.configure_gradient_clipping(optimizer.optimizer, trainer.gradient_clip_val,
+                                                    trainer.gradient_clip_algorithm)
         optimizer.step()
         for config in trainer.lr_scheduler_configs:
             config.scheduler.step()
@@ -175,8 +182,9 @@ def check_pipeline_supported(trainer: pl.Trainer, strategy: "TorchrecStrategy") 
 
 
 def carry_step_count(trainer: pl.Trainer, pipelined: bool) -> None:
-    """Lightning counts optimizer steps separately under automatic and manual optimization; a run
-    resumed with sharding.pipeline switched continues the count the checkpoint's mode kept."""
+    """Lightning counts optimizer steps separately under automatic and manual optimization (global_step
+    reads the one of the module's current mode, and no public API sets either); a run resumed with
+    sharding.pipeline switched continues the count the checkpoint's mode kept."""
     loop = trainer.fit_loop.epoch_loop
     automatic, manual = loop.automatic_optimization.optim_progress.optimizer.step, loop.manual_optimization.optim_step_progress
     source, target = (automatic, manual) if pipelined else (manual, automatic)

@@ -23,6 +23,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from models.sharding import (
     ShardingConfig,
+    SparseOptimizerConfig,
     is_fused_parameter,
     load_checkpoint,
     save_checkpoint,
@@ -30,7 +31,7 @@ from models.sharding import (
     sparse_optimizer,
 )
 
-from .pipeline import LightningTrainPipeline, carry_step_count, check_pipeline_supported
+from .pipeline import PipelinedTrainingStep, carry_step_count, check_pipeline_supported
 
 _SHARDED_ATTRIBUTE = "_torchrec_sharded"  # (DMP, ShardingConfig, plan) on a LightningModule sharded by the strategy
 
@@ -56,7 +57,9 @@ class TorchrecStrategy(DDPStrategy):
       batches must also have one size on all ranks (torchrec's backward all-gathers them); batches
       of different sizes are fine for validation.
     - Precision: 32-true or *-mixed (the tables stay fp32); manual optimization is not supported.
-    - sharding.pipeline trains through torchrec's TrainPipelineSparseDist (LightningTrainPipeline).
+    - sharding.pipeline trains through torchrec's TrainPipelineSparseDist: while fitting, the strategy
+      holds a PipelinedTrainingStep (training/pipeline.py) as `pipelined_step`, and runs the
+      LightningModule's training step, which trains through it, outside the DMP's forward.
     """
 
     strategy_name = "torchrec"
@@ -88,7 +91,8 @@ class TorchrecStrategy(DDPStrategy):
         self.sharding = ShardingConfig(**sharding) if isinstance(sharding, Mapping) else (sharding or ShardingConfig())
         self.plan: ShardingPlan | None = None
         self.sparse: CombinedOptimizer | None = None  # the tables' fused optimizer, once sharded
-        self.train_pipeline: LightningTrainPipeline | None = None  # with sharding.pipeline, while fitting
+        self.sparse_lr: SparseLearningRate | None = None  # its learning rate, while fitting
+        self.pipelined_step: PipelinedTrainingStep | None = None  # with sharding.pipeline, while fitting
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -146,10 +150,18 @@ class TorchrecStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             optimizer_state_to(self.optimizers, self.root_device)
-        self.train_pipeline = None
+        self.sparse_lr = (SparseLearningRate(self.sparse, self.sharding.optimizer, trainer)
+                          if fitting and self.sparse is not None else None)
+        self.pipelined_step = None
         if fitting and self.sharding.pipeline:
             check_pipeline_supported(trainer, self)
-            self.train_pipeline = LightningTrainPipeline(self)
+            self.pipelined_step = PipelinedTrainingStep(self.lightning_module, self.model, self.root_device, self.sparse_lr)
+            if self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    f"sharding.pipeline: {type(self.lightning_module).__name__} does not train through the strategy's "
+                    "pipelined_step (manual optimization and training_step(dataloader_iter) while it is set, as "
+                    "train.RankingTask does)"
+                )
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -163,28 +175,15 @@ class TorchrecStrategy(DDPStrategy):
             rank_zero_info(f"TorchrecStrategy: {removed} fused table parameter(s) left to the sparse optimizer")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.train_pipeline is not None:
-            # The step calls the pipeline, which calls the DMP (and its DDP) itself: not inside another
-            # DDP forward, as Lightning's redirection would. It sets the sparse lr at every batch.
+        if self.pipelined_step is not None:
+            # The module's step trains through the pipeline, which calls the DMP (and its DDP) itself:
+            # not inside another DDP forward, as Lightning's redirection would. It sets the sparse lr
+            # before every batch's backward.
             with self.precision_plugin.train_step_context():
                 return self.lightning_module.training_step(*args, **kwargs)
-        self._schedule_sparse_lr()
+        if self.sparse_lr is not None:
+            self.sparse_lr.apply()
         return super().training_step(*args, **kwargs)
-
-    def _schedule_sparse_lr(self) -> None:
-        """Sets this step's sparse learning rate before its backward, where the fused update runs
-        (sharding.optimizer.lr_schedule "dense": scaled as the first dense scheduler scales its lr)."""
-        if self.sparse is None or self.sharding.optimizer.lr_schedule != "dense":
-            return
-        configs = self.lightning_module.trainer.lr_scheduler_configs
-        fraction = 1.0
-        if configs:
-            scheduler = configs[0].scheduler
-            base = scheduler.base_lrs[0]
-            fraction = scheduler.get_last_lr()[0] / base if base else 1.0
-        for group in self.sparse.param_groups:
-            group["lr"] = self.sharding.optimizer.lr * fraction
-        self.sparse.step()  # only hands the lr to the fused kernels: their update runs inside backward
 
     def _check_same_batch_counts(self, what: str, counts: Any) -> None:
         """Every sharded lookup is a collective: a rank with fewer batches leaves the others waiting
@@ -204,20 +203,20 @@ class TorchrecStrategy(DDPStrategy):
         super().on_train_start()
         trainer = self.lightning_module.trainer
         self._check_same_batch_counts("training", trainer.num_training_batches)
-        carry_step_count(trainer, pipelined=self.train_pipeline is not None)
+        carry_step_count(trainer, pipelined=self.pipelined_step is not None)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self.train_pipeline is not None:
-            self.train_pipeline.pause()
+        if self.pipelined_step is not None:
+            self.pipelined_step.pause()
         trainer = self.lightning_module.trainer
         counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
         self._check_same_batch_counts("validation", counts)
 
     def on_validation_end(self) -> None:
         super().on_validation_end()
-        if self.train_pipeline is not None:
-            self.train_pipeline.resume()
+        if self.pipelined_step is not None:
+            self.pipelined_step.resume()
 
     def on_test_start(self) -> None:
         super().on_test_start()
@@ -227,6 +226,7 @@ class TorchrecStrategy(DDPStrategy):
         # Keep the sharded model where it is (Strategy.teardown would move it to the CPU, which the
         # fused kernels' buffers do not survive); hand back the LightningModule itself.
         self.model = self.lightning_module
+        self.pipelined_step = self.sparse_lr = None  # the fit is over: the module trains plainly again
         optimizer_state_to(self.optimizers, torch.device("cpu"))
         self.precision_plugin.teardown()
         assert self.accelerator is not None
@@ -257,6 +257,28 @@ if "torchrec" not in StrategyRegistry:
     StrategyRegistry.register(
         "torchrec", TorchrecStrategy, description="torchrec DistributedModelParallel: sharded tables, DDP for the rest"
     )
+
+
+class SparseLearningRate:
+    """The learning rate of the tables' fused sparse optimizer, which fbgemm applies inside backward:
+    set before each backward, from sharding.optimizer (lr_schedule "dense": lr scaled each step as the
+    first dense LR scheduler scales its rate, warmup and decay; "constant": lr throughout)."""
+
+    def __init__(self, sparse: CombinedOptimizer, config: SparseOptimizerConfig, trainer: pl.Trainer):
+        self.sparse, self.config, self.trainer = sparse, config, trainer
+
+    def apply(self) -> None:
+        if self.config.lr_schedule != "dense":
+            return  # the fused kernels were built with config.lr
+        configs = self.trainer.lr_scheduler_configs
+        fraction = 1.0
+        if configs:
+            scheduler = configs[0].scheduler
+            base = scheduler.base_lrs[0]
+            fraction = scheduler.get_last_lr()[0] / base if base else 1.0
+        for group in self.sparse.param_groups:
+            group["lr"] = self.config.lr * fraction
+        self.sparse.step()  # only hands the lr to the fused kernels: their update runs inside backward
 
 
 def optimizer_state_to(optimizers, device: torch.device) -> None:

@@ -250,7 +250,7 @@ def checkpoint_metadata(path: str | Path, *, weights_only: bool = True) -> dict[
 def load_unsharded(path: str | Path, model: nn.Module, *, strict: bool = True) -> None:
     """Load a save_checkpoint folder (written by any number of ranks) into a plain, unsharded model in
     one process, e.g. a RankingModel for evaluation. The model's keys may sit under a prefix in the
-    checkpoint (a Lightning checkpoint stores RankingTask's "model." keys): it is found automatically."""
+    checkpoint (a Lightning checkpoint stores RankingTask's network under "model.net."): it is found automatically."""
     path = Path(path)
     available = set(_saved_tensors(path))
     model_state = model.state_dict()
