@@ -162,7 +162,7 @@ class StepProfiler(Callback):
         for name, (_, us) in kernels.items():
             device_us[kernel_family(name)] += us
         actions_ms = {action: seconds / steps * 1e3 for action, seconds in sorted(host.items())}
-        model, device = pl_module.model, pl_module.device
+        model, device = pl_module.net, pl_module.device
         history = [h for h in self.marks["history"] if h is not None]
         num_params = sum(p.numel() for p in model.parameters())
         min_bytes = sum(train_step_min_bytes(model.config, model.schema, h, num_params) for h in history)

@@ -308,6 +308,38 @@ def test_setup_errors_fail_every_rank_and_meta_tables_shard(tmp_path):
     torch.testing.assert_close(rank0["meta_tables"][item], rank1["meta_tables"][item], rtol=0, atol=0)
 
 
+def test_checkpoint_from_before_the_network_was_renamed_loads(tmp_path):
+    """A folder saved when RankingTask held its network as `model` (keys "model.model.*", dense
+    optimizer state under those names) loads into today's task, whose network is `net`."""
+    import torch.distributed.checkpoint as dcp
+
+    from models.sharding import checkpoint as ckpt
+
+    class Task(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+
+    torch.manual_seed(0)
+    saved_task = Task()
+    optimizer = torch.optim.AdamW(saved_task.parameters(), lr=0.1)
+    saved_task.net(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    # What a folder of the old naming holds: today's state with "net." spelled "model.".
+    old_names = {name: "model." + name[len("net."):] for name in saved_task.state_dict()}
+    state = ckpt._renamed(ckpt.checkpoint_state(saved_task, optimizer), old_names)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "old")), no_dist=True)
+    torch.save({"global_step": 1}, tmp_path / "old" / ckpt._METADATA_FILE)
+
+    task = Task()
+    fresh_optimizer = torch.optim.AdamW(task.parameters(), lr=0.1)
+    assert ckpt.load_checkpoint(tmp_path / "old", task, fresh_optimizer) == {"global_step": 1}
+    for (name, got), expected in zip(task.state_dict().items(), saved_task.state_dict().values()):
+        assert torch.equal(got, expected), name
+    for got, expected in zip(fresh_optimizer.state.values(), optimizer.state.values()):
+        assert torch.equal(got["exp_avg"], expected["exp_avg"])
+
+
 def test_config_errors_name_the_problem():
     tables = embedding_tables(worker.build_model())
     with pytest.raises(ValueError, match="sharding_type='diagonal' is not one of table_wise, row_wise"):

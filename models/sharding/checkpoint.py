@@ -42,6 +42,36 @@ def _named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -
     }
 
 
+# RankingTask (train.py) held its network as `model` until 2026-12-04 and holds it as `net` since, so
+# folders saved before name its tensors "model.<name>" where the task now has "net.<name>".
+_RENAMED_PREFIXES = {"net.": "model."}
+
+
+def _saved_names(state: Mapping[str, Any], available: set[str]) -> dict[str, str]:
+    """{name in this model: name in the checkpoint} for the parameters and buffers whose prefix was
+    renamed since the checkpoint was saved (see _RENAMED_PREFIXES); empty for a current checkpoint."""
+    renames = {}
+    for name in state["model"]:
+        for new, old in _RENAMED_PREFIXES.items():
+            if name.startswith(new) and f"model.{name}" not in available and f"model.{old}{name[len(new):]}" in available:
+                renames[name] = old + name[len(new):]
+    return renames
+
+
+def _renamed(state: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """state with its model keys and dense-optimizer parameter names mapped through `names`."""
+    if not names:
+        return state
+    state = dict(state, model={names.get(k, k): v for k, v in state["model"].items()})
+    for key, value in state.items():
+        if key.startswith("dense_optimizer_"):
+            state[key] = {
+                "state": {names.get(n, n): v for n, v in value["state"].items()},
+                "param_groups": [{**g, "params": [names.get(n, n) for n in g["params"]]} for g in value["param_groups"]],
+            }
+    return state
+
+
 def _load_named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, named: Mapping[str, Any]) -> None:
     index = {name: i for i, name in enumerate(_optimizer_names(optimizer, model))}
     missing = [name for group in named["param_groups"] for name in group["params"] if name not in index]
@@ -209,6 +239,9 @@ def load_checkpoint(
     for optimizer in optimizers:
         _initialize_optimizer_state(optimizer)
     state = checkpoint_state(model, optimizers)
+    # Read under the names the checkpoint uses, then renamed back.
+    saved_names = _saved_names(state, available)
+    state = _renamed(state, saved_names)
     if "sparse_optimizer" in state and (
         not load_sparse_optimizer or not any(k.startswith("sparse_optimizer.") for k in available)
     ):
@@ -229,6 +262,7 @@ def load_checkpoint(
         process_group=process_group,
         no_dist=not distributed,
     )
+    state = _renamed(state, {old: new for new, old in saved_names.items()})
     model.load_state_dict(state["model"])
     if "sparse_optimizer" in state:
         sparse_optimizer(model).load_state_dict(state["sparse_optimizer"])
