@@ -274,6 +274,9 @@ def protocol_entry(folder: Path) -> dict:
                         "group": label}
         if tuning:
             models[name].update({key: tuning["models"][name][key] for key in ("chosen", "chosen_val_auc", "trials")})
+    if not models:
+        raise CompareError(f"{folder}: no run has a test score (test.json): its data holds out no test part "
+                           "(time_split_history has only train and validation)")
     missing = [r for r in report["runs"] if r["status"] != "ok"]
     return {
         "models": models,
