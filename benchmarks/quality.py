@@ -379,13 +379,16 @@ def _named(items: list[str], option: str, what: str) -> dict[str, str]:
 
 
 def parse_grid(lines: list[str]) -> dict[str, tuple]:
-    """--grid KEY=V1,V2 lines (values read as YAML scalars) as a grid; GRID when there are none."""
+    """--grid KEY=V1,V2 lines (values read as YAML scalars) as a grid of two or more points; GRID when
+    there are none."""
     grid = {}
     for line in lines:
         key, _, values = line.partition("=")
         if not key or not values or key in grid:
             raise CompareError(f"--grid {line!r}: give KEY=V1,V2,... once per train.py key")
         grid[key.removeprefix("--")] = tuple(yaml.safe_load(value) for value in values.split(","))
+    if grid and len(grid_points(grid)) < 2:
+        raise CompareError(f"--grid {' '.join(lines)}: one point; a tuning needs at least two")
     return grid or GRID
 
 

@@ -116,6 +116,7 @@ def test_the_default_grid_gives_every_model_six_trials():
     (["--models", "lr", "dcnv2"], "give block_attention and at least one baseline"),
     (["--models", "block_attention"], "give block_attention and at least one baseline"),
     (["--grid", "model.optim.lr"], "--grid 'model.optim.lr': give KEY=V1,V2"),
+    (["--grid", "model.optim.lr=0.01"], "one point; a tuning needs at least two"),
     (["--seeds", "0"], "must be >= 1"),
 ])  # fmt: skip
 def test_bad_tune_arguments_give_a_clear_error(args, message, tmp_path, capsys):
