@@ -1,38 +1,90 @@
-"""Model quality against published baselines: one table per data protocol, test AUC and log loss of
-every architecture (mean, std and per seed), from comparison folders (`python train.py compare`,
-one group per architecture), next to RecBole's published numbers on the same protocol.
+"""Model quality against published baselines: a fair tuning of every architecture (`tune`), then one
+table per data protocol of test AUC and log loss (mean, std and per seed), next to RecBole's published
+numbers on the same protocol.
 
-    A=(--attn reference --variant lr reference configs/lr.yaml --variant dlrm reference configs/dlrm.yaml
-       --variant dcnv2 reference configs/dcnv2.yaml --variant deepfm reference configs/deepfm.yaml --seeds 3)
-    python train.py compare "${A[@]}" --config configs/movielens1m.yaml --steps 145 --out runs/quality_ml1m
-    python train.py compare "${A[@]}" --config configs/movielens100k_recbole.yaml --steps 80 --out runs/quality_ml100k
-    python -m benchmarks.quality --protocol recbole_ml1m_context=runs/quality_ml1m \
+Tuning, per protocol (the recorded commands are in benchmarks/results/quality_ml1m.md):
+
+    python -m benchmarks.quality tune --protocol recbole_ml1m_context --attn reference --steps 1160 --seeds 3 \
+        --jobs 1 --out runs/tune_ml1m [--models block_attention lr ...] [--grid KEY=V1,V2 ...] [--key=value ...]
+
+  1. Every model gets the same grid (GRID below, or the --grid lines; one point = one trial), so every
+     model has the same tuning budget. Each trial is one run (seed 0) of --steps steps: a comparison
+     folder OUT/trials/<model>/ with one group per grid point.
+  2. A trial's score is the validation AUC of the checkpoint that train.py tests (its validation with
+     the lowest val/ne); the highest score wins, a tie goes to the earlier point. No test number is read.
+  3. OUT/final/ is one comparison with one group per model at its chosen point, seeds 0..N-1; seed 0 is
+     the chosen trial's run itself (copied, not trained again: same config and seed).
+  4. OUT/tuning.json holds the grid, every trial's score and the chosen points.
+  Other --key=value arguments go to every run (e.g. --data.data_dir=...). Runs go --jobs at a time (the
+  first alone: it prepares the data cache the rest read); a rerun reuses the finished runs.
+
+The report, from tune folders or plain comparison folders (`python train.py compare`, one group per
+architecture):
+
+    python -m benchmarks.quality --protocol recbole_ml1m_context=runs/tune_ml1m \
         --protocol recbole_ml100k_context=runs/quality_ml100k --not-run time_split_history=REASON \
         --notes benchmarks/results/quality_ml1m_notes.md --out benchmarks/results/quality_ml1m
 
 writes <out>.json ({"protocols": {name: {"models": {arch: {"test_auc": {"mean", "std", "per_seed": [...],
-"seeds": [...]}, "test_logloss": {...}}}, ...}}}) and <out>.md. Only what the folders hold is reported; a
-protocol with no folder is kept with its models empty and the reason (`--not-run NAME=REASON`) it did not
-run. `--notes FILE` appends a markdown file (how the runs were budgeted, what the gaps come from).
+"seeds": [...]}, "test_logloss": {...}, "chosen": {...}}}, "tuning": {...}, ...}}}) and <out>.md. Only what
+the folders hold is reported; a protocol with no folder is kept with its models empty and the reason
+(`--not-run NAME=REASON`) it did not run. `--notes FILE` appends a markdown file (how the runs were
+budgeted, what the gaps come from).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import re
+import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.compare.report import build_report, load_comparison
-from benchmarks.compare.run import CompareError
+import yaml
 
-# The protocols of issue 23 and what each means; the first two are RecBole's, the third ours.
+from benchmarks.compare.report import Run, build_report, load_comparison
+from benchmarks.compare.run import (
+    COMPARABLE_BACKENDS, REPO, CompareError, Settings, check_out_folder, finished_ok, launch_run, parse_compare_args,
+    run_name, train_args,
+)
+from train import ARCHS, BLOCK_ATTENTION
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A data protocol: what it is, and the train.py config files and keys that select it."""
+
+    description: str
+    configs: tuple[str, ...]
+    args: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.description} ({' '.join(self.configs)}{''.join(' ' + a for a in self.args)})"
+
+
+# The protocols of issue 23; the first two are RecBole's, the third ours.
 PROTOCOLS = {
-    "recbole_ml1m_context": "MovieLens-1M, RecBole's context-aware benchmark (configs/movielens1m.yaml)",
-    "recbole_ml100k_context": "MovieLens-100K, RecBole's context-aware quick start (configs/movielens100k_recbole.yaml)",
-    "time_split_history": "MovieLens-1M, our time split with the user's earlier items as history "
-    "(configs/movielens1m.yaml with --data.protocol=time_split_history --data.max_history_len=256)",
+    "recbole_ml1m_context": Protocol("MovieLens-1M, RecBole's context-aware benchmark", ("configs/movielens1m.yaml",)),
+    "recbole_ml100k_context": Protocol("MovieLens-100K, RecBole's context-aware quick start",
+                                       ("configs/movielens100k_recbole.yaml",)),
+    "time_split_history": Protocol(
+        "MovieLens-1M, our time split with the user's earlier items as history", ("configs/movielens1m.yaml",),
+        ("--data.protocol=time_split_history", "--data.max_history_len=256"),
+    ),
 }
+# The tuning grid, one for every model (RecBole's benchmark searched each model's own grid, 6 to 216
+# points; here every model gets the same 6 trials): AdamW's peak learning rate, which spans the
+# configs' own values (our model's 0.002, the baselines' 0.005 from RecBole's searches) and one more
+# above, x weight decay on the weight matrices (train.py's OptimConfig; not embeddings, norms or
+# biases), the one regularizer every architecture here has (none has dropout).
+GRID = {"model.optim.lr": (0.002, 0.005, 0.01), "model.optim.weight_decay": (0.01, 0.1)}
+TRIAL_SEED = 0  # every trial runs this seed; it is also the final comparison's seed 0
+SELECTION = ("the validation AUC of the checkpoint train.py tests (the validation with the lowest val/ne); "
+             "the highest wins, ties go to the earlier grid point; no test number is read")
 RECBOLE = "https://github.com/RUCAIBox/RecBole/blob/master/"
 # RecBole's published test results, each the trial with the best validation AUC of its search.
 PUBLISHED = {
@@ -63,11 +115,155 @@ def seed_list(summary: dict) -> dict:
 def arch_of(settings: dict, label: str) -> str:
     """The architecture a comparison group trained (model.arch of its resolved config)."""
     resolved = settings.get("variant_resolved", {}).get(label) or settings["resolved_config"]
-    return resolved.get("model.arch", "block_attention")
+    return resolved.get("model.arch", BLOCK_ATTENTION)
+
+
+# ---------------------------------------------------------------------------------------------- tune
+
+
+def grid_points(grid: dict[str, tuple]) -> list[dict]:
+    """Every combination of the grid's values, the first key varying slowest."""
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def point_label(point: dict) -> str:
+    """A comparison group label for a grid point, e.g. lr0.005_weight_decay0.1."""
+    label = "_".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in point.items())
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", label):
+        raise CompareError(f"grid point {point} gives the label {label!r}: use values of letters, digits, '.', '-'")
+    return label
+
+
+def model_configs(model: str) -> list[str]:
+    """The config files that select a model over a protocol's: a baseline's configs/<arch>.yaml."""
+    return [] if model == BLOCK_ATTENTION else [f"configs/{model}.yaml"]
+
+
+def comparison_argv(protocol: Protocol, attn: str, groups: dict[str, tuple[str, dict]], extra: list[str],
+                    steps: int, seeds: int, out: Path) -> list[str]:
+    """`train.py compare`'s arguments for groups {label: (model, grid point)}: the first group is the
+    comparison's own (--attn; its model's configs and point are the shared ones), the others --variant
+    groups whose KEY=VALUE items follow the shared keys, so each group's point wins. Across models the
+    first must be block_attention: a baseline's config file would leak its sizes into the others'."""
+    (base_model, base_point), *_ = groups.values()
+    argv = ["--attn", attn]
+    for path in [*protocol.configs, *model_configs(base_model)]:
+        argv += ["--config", path]
+    argv += [*protocol.args, *extra, *(f"--{key}={value}" for key, value in base_point.items())]
+    for label, (model, point) in list(groups.items())[1:]:
+        argv += ["--variant", label, attn, *model_configs(model), *(f"{key}={value}" for key, value in point.items())]
+    return [*argv, "--steps", str(steps), "--seeds", str(seeds), "--out", str(out)]
+
+
+def open_comparison(settings: Settings) -> None:
+    """Refuses an --out folder that holds another comparison, else records settings.json in it."""
+    check_out_folder(settings)
+    settings.out.mkdir(parents=True, exist_ok=True)
+    (settings.out / "settings.json").write_text(json.dumps(settings.to_json(), indent=1) + "\n")
+
+
+def train_runs(comparisons: list[Settings], jobs: int) -> None:
+    """Trains the runs of these comparisons that have not finished, `jobs` at a time (the first alone:
+    it prepares the data cache the others read). Each run is the `python train.py` of the comparison."""
+    pending = [(settings, label, seed) for settings in comparisons for seed in settings.seeds
+               for label in settings.labels if not finished_ok(settings.out / "runs" / run_name(label, seed))]
+
+    def train(job: tuple[Settings, str, int]) -> None:
+        settings, label, seed = job
+        backend = settings.labels[label]
+        config = [*settings.config_files, *settings.variant_configs.get(label, [])]
+        command = [sys.executable, str(REPO / "train.py"),
+                   *train_args(config, settings.passthrough, backend, seed, settings.steps, settings.out, label)]
+        run_dir = settings.out / "runs" / run_name(label, seed)
+        record = launch_run(command, run_dir, {"label": label, "backend": backend, "seed": seed})
+        outcome = "ok" if record["returncode"] == 0 else f"FAILED with exit code {record['returncode']}"
+        print(f"{run_dir.relative_to(settings.out.parent)}: {outcome} in {record['wall_s']:.0f} s", flush=True)
+
+    print(f"training {len(pending)} runs, {jobs} at a time", flush=True)
+    for job in pending[:1]:
+        train(job)
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(train, pending[1:]))
+
+
+def trial_score(run: Run) -> dict | None:
+    """A finished trial's validation at the checkpoint train.py tested (lowest val/ne, the first on a
+    tie, as its ModelCheckpoint keeps); None if it failed or never validated."""
+    if run.status != "ok" or run.validation is None or run.validation["ne"].isna().all():
+        return None
+    step = run.validation["ne"].idxmin()
+    row = run.validation.loc[step]
+    return {"val_auc": float(row["auc"]), "val_logloss": float(row["logloss"]), "at_step": int(step)}
+
+
+def select(trials: list[dict]) -> dict:
+    """The trial with the highest validation AUC; a tie goes to the earlier one."""
+    scored = [trial for trial in trials if trial["score"] is not None]
+    if not scored:
+        raise CompareError(f"no trial of {trials[0]['model']} finished with a validation: nothing to choose")
+    return max(scored, key=lambda trial: (trial["score"]["val_auc"], -trials.index(trial)))
+
+
+def tune(protocol_name: str, attn: str, models: list[str], grid: dict[str, tuple], steps: int, seeds: int,
+         jobs: int, extra: list[str], out: Path) -> dict:
+    """Runs the grid for every model, chooses by validation, writes out/tuning.json (the grid, every
+    trial's score, the choices), then trains the choices for `seeds` seeds; returns tuning.json's content."""
+    protocol = PROTOCOLS[protocol_name]
+    points = grid_points(grid)
+    labels = [point_label(point) for point in points]
+    models = [BLOCK_ATTENTION, *(m for m in models if m != BLOCK_ATTENTION)]
+
+    def trial_settings(model: str) -> Settings:
+        groups = {label: (model, point) for label, point in zip(labels, points)}
+        return parse_compare_args(comparison_argv(protocol, attn, groups, extra, steps, 1, out / "trials" / model),
+                                  "python train.py compare")
+
+    with ThreadPoolExecutor(jobs) as pool:  # each resolves its configs with train.py --dry_run
+        trials = dict(zip(models, pool.map(trial_settings, models)))
+    for settings in trials.values():
+        open_comparison(settings)
+    train_runs(list(trials.values()), jobs)
+
+    result = {"protocol": protocol_name, "grid": {key: list(values) for key, values in grid.items()},
+              "trials_per_model": len(points), "steps": steps, "seeds": seeds, "trial_seed": TRIAL_SEED,
+              "selection": SELECTION, "models": {}}
+    for model, settings in trials.items():
+        runs = {r.label: r for r in load_comparison(settings.out).runs}
+        groups = [attn, *labels[1:]]  # the comparison names its own group (the first point) after the backend
+        model_trials = [{"model": model, "setting": point, "group": group, "score": trial_score(runs[group])}
+                        for group, point in zip(groups, points)]
+        chosen = select(model_trials)
+        result["models"][model] = {
+            "chosen": chosen["setting"], "chosen_val_auc": chosen["score"]["val_auc"],
+            "chosen_run": str(settings.out / "runs" / run_name(chosen["group"], TRIAL_SEED)),
+            "trials": [{"setting": t["setting"], **(t["score"] or {"status": "failed or never validated"})}
+                       for t in model_trials],
+        }
+
+    (out / "tuning.json").write_text(json.dumps(result, indent=1) + "\n")  # the choices, before the seeds train
+
+    final_groups = {(attn if model == models[0] else model): (model, result["models"][model]["chosen"])
+                    for model in models}
+    final = parse_compare_args(comparison_argv(protocol, attn, final_groups, extra, steps, seeds, out / "final"),
+                               "python train.py compare")
+    open_comparison(final)
+    for label, (model, _) in final_groups.items():  # seed 0 is the chosen trial: same config, same seed
+        reused = final.out / "runs" / run_name(label, TRIAL_SEED)
+        if not reused.exists():
+            shutil.copytree(result["models"][model]["chosen_run"], reused, ignore=shutil.ignore_patterns("*.ckpt"))
+    train_runs([final], jobs)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- report
 
 
 def protocol_entry(folder: Path) -> dict:
-    comparison = load_comparison(folder)
+    """A protocol's models and how they ran, from a comparison folder or a tune folder (its final/
+    comparison, with each model's chosen grid point and the tuning's grid and rule)."""
+    tuning_path = folder / "tuning.json"
+    tuning = json.loads(tuning_path.read_text()) if tuning_path.exists() else None
+    comparison = load_comparison(folder / "final" if tuning else folder)
     report = build_report(comparison)
     models = {}
     for label, metrics in report["test_metrics"].items():
@@ -76,9 +272,16 @@ def protocol_entry(folder: Path) -> dict:
             raise CompareError(f"{folder}: two groups trained {name}; give each architecture one group")
         models[name] = {"test_auc": seed_list(metrics["auc"]), "test_logloss": seed_list(metrics["logloss"]),
                         "group": label}
+        if tuning:
+            models[name].update({key: tuning["models"][name][key] for key in ("chosen", "chosen_val_auc", "trials")})
+    if not models:
+        raise CompareError(f"{folder}: no run has a test score (test.json): its data holds out no test part "
+                           "(time_split_history has only train and validation)")
     missing = [r for r in report["runs"] if r["status"] != "ok"]
     return {
         "models": models,
+        **({"tuning": {key: tuning[key] for key in ("grid", "trials_per_model", "steps", "trial_seed", "selection")}}
+           if tuning else {}),
         "command": report["command"],
         "config": {"files": report["config"]["files"], "passthrough": report["config"]["passthrough"],
                    "variants": report["config"]["variants"]},
@@ -123,22 +326,34 @@ def render(result: dict, notes: str = "") -> str:
     lines = ["# Model quality: test AUC and log loss against published baselines", "",
              "Mean ± sample std over seeds (seed_everything: the model's initialization; the split and the batch "
              "order are fixed by data.seed). Each run's "
-             "test score comes from the checkpoint with the best validation (lowest val/ne); the test part "
-             "chooses nothing. Regenerate with `python -m benchmarks.quality` (its docstring).", ""]
+             "test score comes from the checkpoint with the best validation (lowest val/ne); where a protocol was "
+             "tuned, each model's grid point was chosen by validation AUC. The test part chooses nothing. "
+             "Regenerate with `python -m benchmarks.quality` (its docstring).", ""]
     for name, entry in result["protocols"].items():
         lines += [f"## {name}: {PROTOCOLS.get(name, name)}", ""]
         if "not_run" in entry:
             lines += [f"Not run: {entry['not_run']}", ""]
             continue
         published = result["published"].get(name, {})
+        tuning = entry.get("tuning")
         lines += [f"{len(entry['seeds'])} seeds x {entry['steps']} steps on {entry['device']}, {entry['date']}; "
-                  f"torch {entry['versions'].get('torch')}. Command: `{entry['command']}`", "",
-                  "| model | test AUC | test log loss | per seed AUC | RecBole test AUC (ours minus it) |",
-                  "|---|---|---|---|---|"]
+                  f"torch {entry['versions'].get('torch')}. Command: `{entry['command']}`", ""]
+        if tuning:
+            grid = " x ".join(f"{key} in {values}" for key, values in tuning["grid"].items())
+            lines += [f"Tuned alike: {tuning['trials_per_model']} trials per model ({grid}), each "
+                      f"{tuning['steps']} steps at seed {tuning['trial_seed']}; chosen by {tuning['selection']}. "
+                      f"Seed {tuning['trial_seed']} below is the chosen trial's run.", ""]
+        chosen_column = ("| chosen (validation AUC) ", "|---") if tuning else ("", "")
+        lines += [f"| model | test AUC | test log loss | per seed AUC {chosen_column[0]}| RecBole test AUC (ours minus it) |",
+                  f"|---|---|---|---{chosen_column[1]}|---|"]
         for model, metrics in entry["models"].items():
             per_seed = ", ".join(f"{v:.4f}" for v in metrics["test_auc"]["per_seed"])
+            chosen = ""
+            if tuning:
+                setting = ", ".join(f"{key.rsplit('.', 1)[-1]} {value}" for key, value in metrics["chosen"].items())
+                chosen = f"| {setting} ({metrics['chosen_val_auc']:.4f}) "
             lines.append(f"| {model} | {_cell(metrics['test_auc'])} | {_cell(metrics['test_logloss'])} | {per_seed} "
-                         f"| {_anchor_cell(model, metrics, published)} |")
+                         f"{chosen}| {_anchor_cell(model, metrics, published)} |")
         if entry["runs_not_ok"]:
             lines += ["", "Runs that did not finish: " + "; ".join(entry["runs_not_ok"])]
         if published:
@@ -163,10 +378,60 @@ def _named(items: list[str], option: str, what: str) -> dict[str, str]:
     return named
 
 
+def parse_grid(lines: list[str]) -> dict[str, tuple]:
+    """--grid KEY=V1,V2 lines (values read as YAML scalars) as a grid of two or more points; GRID when
+    there are none."""
+    grid = {}
+    for line in lines:
+        key, _, values = line.partition("=")
+        if not key or not values or key in grid:
+            raise CompareError(f"--grid {line!r}: give KEY=V1,V2,... once per train.py key")
+        grid[key.removeprefix("--")] = tuple(yaml.safe_load(value) for value in values.split(","))
+    if grid and len(grid_points(grid)) < 2:
+        raise CompareError(f"--grid {' '.join(lines)}: one point; a tuning needs at least two")
+    return grid or GRID
+
+
+def tune_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality tune", allow_abbrev=False,
+                                     description="Tune every model on the same grid, choose by validation AUC, "
+                                     "then train the choices for several seeds (this module's docstring).")
+    parser.add_argument("--protocol", required=True, choices=PROTOCOLS)
+    parser.add_argument("--attn", required=True, choices=COMPARABLE_BACKENDS, help="block_attention's backend")
+    parser.add_argument("--models", nargs="+", default=list(ARCHS), choices=ARCHS,
+                        help=f"block_attention and one or more baselines (default: {' '.join(ARCHS)})")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                        help=f"a train.py key and its values, the same for every model (default: {GRID})")
+    parser.add_argument("--steps", required=True, type=int, help="training steps of every run")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of each chosen setting (default 3)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (default 1)")
+    parser.add_argument("--out", required=True, type=Path)
+    args, extra = parser.parse_known_args(argv)
+    if BLOCK_ATTENTION not in args.models or len(set(args.models)) < 2 or len(set(args.models)) != len(args.models):
+        parser.error(f"--models {' '.join(args.models)}: give {BLOCK_ATTENTION} and at least one baseline, each once")
+    if min(args.steps, args.seeds, args.jobs) < 1:
+        parser.error(f"--steps, --seeds and --jobs must be >= 1, got {args.steps}, {args.seeds}, {args.jobs}")
+    try:
+        tune(args.protocol, args.attn, args.models, parse_grid(args.grid), args.steps, args.seeds, args.jobs, extra,
+             args.out.resolve())
+        not_ok = [f"{r.label} seed {r.seed}: {r.status}" for r in load_comparison(args.out / "final").runs
+                  if r.status != "ok"]
+    except CompareError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out / 'tuning.json'}; report: python -m benchmarks.quality --protocol {args.protocol}={args.out} "
+          "... --out OUT" + "".join(f"\nnot finished: {line}" for line in not_ok))
+    return 1 if not_ok else 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tune"]:
+        return tune_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0],
+                                     epilog="`python -m benchmarks.quality tune --help`: the tuning.")
     parser.add_argument("--protocol", action="append", default=[], metavar="NAME=FOLDER", required=True,
-                        help=f"a comparison folder and the protocol its runs trained on ({', '.join(PROTOCOLS)})")
+                        help=f"a tune or comparison folder and the protocol its runs trained on ({', '.join(PROTOCOLS)})")
     parser.add_argument("--not-run", action="append", default=[], metavar="NAME=REASON",
                         help="a protocol that was not run, and why")
     parser.add_argument("--notes", type=Path, help="a markdown file appended to OUT.md")

@@ -4,10 +4,12 @@
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
 # Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, profile_mlp, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
-# compare_wait, sharded.
+# compare_wait, sharded, quality_start, quality_wait.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
 # for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
+# quality_start / quality_wait do the same for issue 23's tuning (benchmarks/quality.py tune) on MovieLens-1M,
+# whose raw files come from scripts/pack_ml1m.sh's pack, carried into /tmp by a call of its own (see that script).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 # In-process inductor compiles: its compile subprocesses failed under fbtriton on torch 2.11 (first H200 run).
@@ -74,6 +76,28 @@ for s in "$@"; do
       # The runs so far, without checkpoints: `python -m benchmarks.compare report` renders them here if the machine goes.
       tar czf "$OUT"/compare_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp compare_h200 2>/dev/null
       summary+=("compare_wait: $(pgrep -f 'train.py compare' > /dev/null && echo still running || echo finished) :: $(grep -E '^\[' /tmp/compare_h200.log | tail -2 | tr '\n' ' ')") ;;
+    quality_start)  # QUALITY_PROTOCOLS (default recbole_ml1m_context) tuned one after another, QUALITY_JOBS runs at a
+      # time; a tuning cut short in an earlier session resumes from its quality_runs.tgz carried as .gpu/quality_runs.tgz
+      mkdir -p /tmp/data_cache
+      pack=$(ls /tmp/ml1m_raw.tar.xz .gpu/ml1m_raw.tar.xz 2>/dev/null | head -1)
+      [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache
+      [[ -f .gpu/quality_runs.tgz && ! -d /tmp/quality ]] && tar xzf .gpu/quality_runs.tgz -C /tmp
+      if [[ ! -f /tmp/data_cache/raw/ml-1m/ml-1m.inter ]]; then
+        summary+=("quality_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")
+      else
+        # 1160 steps = 8 epochs of RecBole's protocol (batch 4096); two dataloader workers a run, as runs share the host.
+        setsid nohup bash -c 'for protocol in ${QUALITY_PROTOCOLS:-recbole_ml1m_context}; do
+            python3 -m benchmarks.quality tune --protocol $protocol --attn ${QUALITY_ATTN:-tlx} --steps ${QUALITY_STEPS:-1160} \
+              --seeds 3 --jobs ${QUALITY_JOBS:-4} --out /tmp/quality/$protocol --data.data_dir=/tmp/data_cache --data.num_workers=2
+          done' > /tmp/quality.log 2>&1 < /dev/null &
+        summary+=("quality_start: started, log /tmp/quality.log")
+      fi ;;
+    quality_wait) for _ in $(seq $(( ${QUALITY_WAIT_S:-570} / 5 ))); do pgrep -f "benchmarks.quality tune" > /dev/null || break; sleep 5; done
+      cp /tmp/quality.log "$OUT"/quality.log
+      # Every tuning folder without checkpoints: `python -m benchmarks.quality --protocol NAME=FOLDER ...` reports from it
+      # here, and a tuning cut short resumes from it (carried back as .gpu/quality_runs.tgz).
+      tar czf "$OUT"/quality_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp quality 2>/dev/null
+      summary+=("quality_wait: $(pgrep -f 'benchmarks.quality tune' > /dev/null && echo still running || echo finished) :: $(grep -E 'ok in|FAILED|error' /tmp/quality.log | tail -2 | tr '\n' ' ')") ;;
     sharded) step sharded 580 python3 -m torch.distributed.run --standalone --nproc-per-node 1 train.py "${GPU_DATA[@]}" --config configs/sharded.yaml --trainer.devices=1 --runs_dir=/tmp/runs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

@@ -1,0 +1,129 @@
+"""benchmarks/quality.py's tuning: every model gets the same grid, the choice reads validation only, the
+chosen setting trains for the seeds asked, and the report carries the grid and the choices."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.quality import GRID, grid_points, main as quality_main, select
+from tests.test_train import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = ["block_attention", "lr"]
+TINY_GRID = ["--grid", "model.optim.lr=0.002,0.05"]
+
+
+def run_tune(out: Path, cache: Path, seeds: int) -> subprocess.CompletedProcess:
+    # The tiny ML-1M fixture under RecBole's protocol: about 10 validation and 10 test rows.
+    args = ["tune", "--protocol", "recbole_ml1m_context", "--attn", "reference", "--models", *MODELS, *TINY_GRID,
+            "--steps", "12", "--seeds", str(seeds), "--out", str(out), f"--data.data_dir={cache}",
+            "--data.batch_size=16", "--trainer.val_check_interval=5", "--model.net.d_model=32"]
+    return subprocess.run([sys.executable, "-m", "benchmarks.quality", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+def validation_choice(trial_runs: list[Path]) -> int:
+    """Independently of the tool: the trial whose validation at its lowest val/ne has the highest AUC."""
+    scores = []
+    for run in trial_runs:
+        rows = [row for row in read_metrics(run) if row.get("val/ne")]
+        best = min(rows, key=lambda row: float(row["val/ne"]))  # the first lowest, as the checkpointer keeps
+        scores.append(float(best["val/auc"]))
+    return max(range(len(scores)), key=lambda i: (scores[i], -i))
+
+
+def trial_folders(out: Path, model: str) -> list[Path]:
+    """The model's trial runs in grid order (the first group is named after the backend)."""
+    groups = ["reference", "lr0.05"]
+    runs = [out / "trials" / model / "runs" / f"{group}-seed0" for group in groups]
+    return [run / json.loads((run / "run.json").read_text())["version"] for run in runs]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tune")
+    shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", root / "cache" / "raw" / "ml-1m")
+    result = run_tune(root / "out", root / "cache", seeds=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return root / "out", root / "cache"
+
+
+def test_every_model_gets_the_same_grid_and_the_choice_trains_for_every_seed(tuned, tmp_path):
+    out, _ = tuned
+    tuning = json.loads((out / "tuning.json").read_text())
+    assert tuning["grid"] == {"model.optim.lr": [0.002, 0.05]} and tuning["trials_per_model"] == 2
+    for model in MODELS:
+        entry = tuning["models"][model]
+        assert [trial["setting"] for trial in entry["trials"]] == [{"model.optim.lr": 0.002}, {"model.optim.lr": 0.05}]
+        chosen = validation_choice(trial_folders(out, model))
+        assert entry["chosen"] == entry["trials"][chosen]["setting"]
+        # Seed 0 of the final comparison is the chosen trial's run; seed 1 trained with its setting.
+        trial_test = json.loads((trial_folders(out, model)[chosen] / "test.json").read_text())
+        label = "reference" if model == "block_attention" else model
+        finals = [out / "final" / "runs" / f"{label}-seed{seed}" for seed in (0, 1)]
+        versions = [json.loads((run / "run.json").read_text())["version"] for run in finals]
+        assert json.loads((finals[0] / versions[0] / "test.json").read_text()) == trial_test
+        config = (finals[1] / versions[1] / "config.yaml").read_text()
+        assert f"lr: {entry['chosen']['model.optim.lr']}" in config
+
+    assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--out", str(tmp_path / "quality")]) == 0
+    report = json.loads((tmp_path / "quality.json").read_text())["protocols"]["recbole_ml1m_context"]
+    assert report["tuning"]["grid"] == tuning["grid"] and report["seeds"] == [0, 1]
+    for model in MODELS:
+        assert report["models"][model]["chosen"] == tuning["models"][model]["chosen"]
+        assert report["models"][model]["test_auc"]["seeds"] == [0, 1]
+    assert "| chosen (validation AUC) |" in (tmp_path / "quality.md").read_text()
+
+
+def test_the_choice_does_not_move_when_the_test_scores_say_otherwise(tuned, tmp_path):
+    """Every trial's test.json rewritten so the validation's choice scores worst on test and every
+    other trial best: a selection that read test scores would choose another trial."""
+    out, cache = tuned
+    copy = tmp_path / "out"
+    shutil.copytree(out / "trials", copy / "trials", ignore=shutil.ignore_patterns("*.ckpt"))
+    before = json.loads((out / "tuning.json").read_text())
+    for model in MODELS:
+        chosen = validation_choice(trial_folders(copy, model))
+        for index, folder in enumerate(trial_folders(copy, model)):
+            test = json.loads((folder / "test.json").read_text())
+            worst = index == chosen
+            test.update({"test/auc": 0.0 if worst else 1.0, "test/logloss": 9.0 if worst else 0.01})
+            (folder / "test.json").write_text(json.dumps(test))
+    result = run_tune(copy, cache, seeds=1)  # the trials are reused: nothing trains again
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "training 0 runs" in result.stdout
+    after = json.loads((copy / "tuning.json").read_text())
+    for model in MODELS:
+        assert after["models"][model]["chosen"] == before["models"][model]["chosen"]
+        assert after["models"][model]["trials"] == before["models"][model]["trials"]
+
+
+def test_a_tie_goes_to_the_earlier_point_and_a_failed_trial_is_skipped():
+    trials = [{"model": "m", "score": None}, {"model": "m", "score": {"val_auc": 0.7}},
+              {"model": "m", "score": {"val_auc": 0.7}}, {"model": "m", "score": {"val_auc": 0.6}}]
+    assert select(trials) is trials[1]
+
+
+def test_the_default_grid_gives_every_model_six_trials():
+    assert len(grid_points(GRID)) == 6
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--models", "lr", "dcnv2"], "give block_attention and at least one baseline"),
+    (["--models", "block_attention"], "give block_attention and at least one baseline"),
+    (["--grid", "model.optim.lr"], "--grid 'model.optim.lr': give KEY=V1,V2"),
+    (["--grid", "model.optim.lr=0.01"], "one point; a tuning needs at least two"),
+    (["--seeds", "0"], "must be >= 1"),
+])  # fmt: skip
+def test_bad_tune_arguments_give_a_clear_error(args, message, tmp_path, capsys):
+    argv = ["tune", "--protocol", "recbole_ml1m_context", "--attn", "reference", "--steps", "2",
+            "--out", str(tmp_path / "out"), *args]
+    try:
+        code = quality_main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2 and message in capsys.readouterr().err
