@@ -481,22 +481,54 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
+def _rows_contiguous(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether each x[t] of x [T, ...] is contiguous, from the shape and strides alone (x[0].is_contiguous()
+    would make a view per call)."""
+    expected = 1
+    for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# One TensorDescriptor per (dtype, row, pitch, block_cols), validated by Triton and kept without
+# its tensor: a call's descriptor is a copy with its own base and row count, skipping the
+# validation (__post_init__), which costs more host time than the launch. Nothing it checks
+# changes with the base or the row count beyond what _tma_desc ensures: a 16-byte aligned base
+# and at least one block of rows.
+_VALIDATED_DESCRIPTORS: dict[tuple, "TensorDescriptor"] = {}
+
+
+def _descriptor(x: torch.Tensor, row: int, pitch: int, block_cols: int) -> "TensorDescriptor":
+    """TensorDescriptor(x, shape=[T, row], strides=[pitch, 1], block_shape=[64, block_cols])."""
+    key = (x.dtype, row, pitch, block_cols)
+    validated = _VALIDATED_DESCRIPTORS.get(key)
+    if validated is None:
+        validated = TensorDescriptor(x, shape=[x.shape[0], row], strides=[pitch, 1], block_shape=[BLOCK_SIZE, block_cols])
+        validated.base = None
+        _VALIDATED_DESCRIPTORS[key] = validated
+    descriptor = object.__new__(TensorDescriptor)  # no __init__: no __post_init__
+    descriptor.__dict__.update(validated.__dict__, base=x, shape=[x.shape[0], row])
+    return descriptor
+
+
 def _tma_desc(x: torch.Tensor, block_cols: int):
     """TMA descriptor of [64, block_cols] boxes over x [T, ...] viewed as 2-D [T, row]. Rows may be
     strided, as q, k and v are when they are views of one packed qkv projection, so those take no
     copy; TMA needs each row's elements contiguous, a 16-byte aligned base and row pitch, and at
     least one block of rows (a box may not exceed the tensor it tiles). Anything else is copied
     (padding rows are zeros and never stored back)."""
-    row = math.prod(x.shape[1:])
-    rows_contiguous = x.shape[0] == 0 or x[0].is_contiguous()
-    pitch_bytes = x.stride(0) * x.element_size()
-    if not rows_contiguous or pitch_bytes % 16 or x.data_ptr() % 16 or x.shape[0] < BLOCK_SIZE:
+    shape, strides = x.shape, x.stride()
+    row = math.prod(shape[1:])
+    if (not _rows_contiguous(shape, strides) or strides[0] * x.element_size() % 16 or x.data_ptr() % 16
+            or shape[0] < BLOCK_SIZE):
         x = x.contiguous()
         if x.data_ptr() % 16:  # a contiguous view at a misaligned offset: only a fresh copy is aligned
             x = x.clone()
         if x.shape[0] < BLOCK_SIZE:
             x = torch.cat([x, x.new_zeros((BLOCK_SIZE - x.shape[0], *x.shape[1:]))])
-    return TensorDescriptor(x, shape=[x.shape[0], row], strides=[x.stride(0), 1], block_shape=[BLOCK_SIZE, block_cols])
+    return _descriptor(x, row, x.stride(0), block_cols)
 
 
 def _rotary_descs(cos, sin):
@@ -507,44 +539,49 @@ def _rotary_descs(cos, sin):
 
 
 def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
-    return (max(1, min(_num_sms(q.device), block_start.numel() * q.shape[1])),)
+    return (max(1, min(_num_sms(q.device), block_start.shape[0] * q.shape[1])),)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_kwargs(backward: bool, head_dim: int, rotary: bool, rotate_v: bool, launch: str) -> dict:
+    """The constexprs and launch options of one kind of call, built once."""
+    cfg = tlx_config(head_dim, rotary, backward=backward, overrides=launch_overrides(launch, "bwd" if backward else "fwd"))
+    return dict(HEAD_DIM=head_dim, ROTARY=rotary, ROTATE_V=rotate_v and rotary, num_warps=4, num_stages=1, **cfg)
+
+
+def _launch(kernel, tiles: tuple, outs: tuple, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
+            backward: bool) -> None:
+    """Runs `kernel` on the TMA descriptors of `tiles` (q, k, v, then O or dO) and of the rotary
+    tables, writing `outs` (O, or dQ, dK, dV)."""
+    q = tiles[0]
+    T, H, D = q.shape
+    kwargs = _launch_kwargs(backward, D, cos is not None, bool(rotate_v), launch)
+    with torch.cuda.device(q.device):
+        kernel[_grid(q, block_start)](
+            *[_tma_desc(x, D) for x in tiles], *_rotary_descs(cos, sin), *outs, block_start, block_len, num_blocks,
+            H, H * D, 1.0 / math.sqrt(D), **kwargs,
+        )
 
 
 def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.shape[0] == 0:
         return [out]
-    T, H, D = q.shape
-    rotary = cos is not None
-    cfg = tlx_config(D, rotary, backward=False, overrides=launch_overrides(launch, "fwd"))
-    with torch.cuda.device(q.device):
-        # O's descriptor tiles the (padded, if T < 64) output; only full blocks are TMA-stored,
-        # and those lie inside [0, T), so the padding is never written.
-        descs = [_tma_desc(x, D) for x in (q, k, v, out)]
-        _tlx_block_attn_fwd[_grid(q, block_start)](
-            *descs, *_rotary_descs(cos, sin), out, block_start, block_len, num_blocks,
-            H, H * D, 1.0 / math.sqrt(D),
-            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
-        )
+    # O's descriptor tiles the (padded, if T < 64) output; only full blocks are TMA-stored, and
+    # those lie inside [0, T), so the padding is never written.
+    _launch(_tlx_block_attn_fwd, (q, k, v, out), (out,), block_start, block_len, num_blocks, cos, sin, rotate_v,
+            launch, backward=False)
     return [out]
 
 
 def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out):
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
-    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.shape[0] == 0:
         return dq, dk, dv
-    T, H, D = q.shape
-    rotary = cos is not None
-    cfg = tlx_config(D, rotary, backward=True, overrides=launch_overrides(launch, "bwd"))
     if grad_out.dtype != q.dtype:
         grad_out = grad_out.to(q.dtype)
-    with torch.cuda.device(q.device):
-        descs = [_tma_desc(x, D) for x in (q, k, v, grad_out)]
-        _tlx_block_attn_bwd[_grid(q, block_start)](
-            *descs, *_rotary_descs(cos, sin), dq, dk, dv, block_start, block_len, num_blocks,
-            H, H * D, 1.0 / math.sqrt(D),
-            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
-        )
+    _launch(_tlx_block_attn_bwd, (q, k, v, grad_out), (dq, dk, dv), block_start, block_len, num_blocks, cos, sin,
+            rotate_v, launch, backward=True)
     return dq, dk, dv
 
 
