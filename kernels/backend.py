@@ -5,14 +5,16 @@ Every backend module (kernels/block_attention_{reference,fa2,flex,triton,tlx}.py
 
 A kernel backend supplies two launchers and gets its ops from `kernel_ops`:
 
-    forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch) -> [out, *residuals]
-    backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
-             out, *residuals) -> (dq, dk, dv)
+    forward_launcher(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch) -> [out, *residuals]
+    backward_launcher(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
+                      out, *residuals) -> (dq, dk, dv)
 
 `kernel_ops` registers them as `block_attention::<name>_forward` / `_backward` custom ops with fake
 (meta) implementations and an autograd formula, so models that call them compile under
 torch.compile (the ops are opaque to it, and their data-dependent block count never leaks into a
-graph). `residuals` are whatever else the backward needs from the forward (FlashAttention's
+graph). Eager calls skip the ops' dispatch, which costs more host time than a launch, and run
+the same launchers and autograd formula through a torch.autograd.Function (kernels/eager.py
+says when). `residuals` are whatever else the backward needs from the forward (FlashAttention's
 logsumexp and RNG state); the fused kernels need none, since they recompute P.
 
 `launch` is a backend's launch-setting overrides as canonical JSON ({"fwd": {...}, "bwd": {...}},
@@ -27,6 +29,7 @@ from typing import Callable
 import torch
 
 from .blocks import BlockTable
+from .eager import eager_call
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,13 @@ def launch_overrides(launch: str, direction: str) -> dict:
 
 def kernel_ops(
     name: str,
-    forward: Callable,
-    backward: Callable,
+    forward_launcher: Callable,
+    backward_launcher: Callable,
     fake_residuals: Callable[[torch.Tensor], list[torch.Tensor]] = lambda q: [],
 ) -> Callable[..., torch.Tensor]:
     """Registers backend `name`'s forward and backward launchers as custom ops with fake and
-    autograd implementations; returns its `run(q, k, v, table, cos, sin, rotate_v, launch)`."""
+    autograd implementations; returns its `run(q, k, v, table, cos, sin, rotate_v, launch)`, which
+    eager calls (eager_call) take through an autograd.Function over the same launchers instead."""
 
     @torch.library.custom_op(f"block_attention::{name}_forward", mutates_args=())
     def forward_op(
@@ -83,7 +87,7 @@ def kernel_ops(
         block_start: torch.Tensor, block_len: torch.Tensor, num_blocks: torch.Tensor,
         cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool, launch: str,
     ) -> list[torch.Tensor]:
-        return list(forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch))
+        return list(forward_launcher(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch))
 
     @forward_op.register_fake
     def _(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
@@ -96,7 +100,8 @@ def kernel_ops(
         cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool, launch: str,
         saved: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, *saved)
+        return backward_launcher(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
+                                 *saved)
 
     @backward_op.register_fake
     def _(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, saved):
@@ -107,17 +112,39 @@ def kernel_ops(
         ctx.save_for_backward(*tensors, *output)
         ctx.rotate_v, ctx.launch, ctx.num_inputs = rotate_v, launch, len(tensors)
 
-    def backward_formula(ctx, grads):
+    def gradients(ctx, grad_out, backward_fn):
+        """(dq, dk, dv) and no gradient for the block table and the rotary tables (functions of
+        position), from what setup_context saved."""
         saved = ctx.saved_tensors
         inputs, outputs = saved[: ctx.num_inputs], list(saved[ctx.num_inputs:])
-        dq, dk, dv = backward_op(grads[0], *inputs, ctx.rotate_v, ctx.launch, outputs)
-        # Neither the block table nor the rotary tables (functions of position) get a gradient.
+        dq, dk, dv = backward_fn(grad_out, *inputs, ctx.rotate_v, ctx.launch, outputs)
         return dq, dk, dv, None, None, None, None, None, None, None
 
-    forward_op.register_autograd(backward_formula, setup_context=setup_context)
+    forward_op.register_autograd(lambda ctx, grads: gradients(ctx, grads[0], backward_op), setup_context=setup_context)
+
+    class EagerCall(torch.autograd.Function):
+        """The custom ops' autograd formula over the launchers themselves, for eager calls."""
+
+        @staticmethod
+        def forward(ctx, *inputs):
+            outputs = list(forward_launcher(*inputs))
+            setup_context(ctx, inputs, outputs)
+            ctx.mark_non_differentiable(*outputs[1:])
+            return tuple(outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, grad_out, *_):
+            # The launcher takes the saved outputs spread out, where backward_op takes them as a list.
+            return gradients(ctx, grad_out, lambda *args: backward_launcher(*args[:-1], *args[-1]))
 
     def run(q, k, v, table: BlockTable, cos, sin, rotate_v: bool, launch: str) -> torch.Tensor:
-        return forward_op(q, k, v, *table.tensors(), cos, sin, bool(rotate_v), launch)[0]
+        tensors = (q, k, v, *table.tensors(), cos, sin)
+        if not eager_call(*tensors):
+            return forward_op(*tensors, bool(rotate_v), launch)[0]
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return EagerCall.apply(*tensors, bool(rotate_v), launch)[0]
+        return forward_launcher(*tensors, bool(rotate_v), launch)[0]
 
     run.forward_op, run.backward_op = forward_op, backward_op
     return run

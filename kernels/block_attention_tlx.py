@@ -177,6 +177,8 @@ def _consumer_regs(num_consumers: int) -> int:
 
 
 if HAS_TLX:
+    # The kernels' tile rows: kernels.blocks' block size, a global constexpr the jitted code may read.
+    BLOCK = tl.constexpr(BLOCK_SIZE)
 
     @triton.jit
     def _num_local_items(num_blocks_ptr, H):
@@ -196,12 +198,38 @@ if HAS_TLX:
         return head, start, length
 
     @triton.jit
+    def _alloc_ring(dtype: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
+                    ROTARY: tl.constexpr, WITH_DO: tl.constexpr):
+        """The ring both kernels stream items through: NUM_STAGES slots of 64-token q, k, v tiles (and
+        dO, the backward's, WITH_DO), with ROTARY the fp32 cos/sin rows, and each slot's full and empty
+        barrier. The tiles a kernel doesn't use are None: returned as constexprs, since a variable
+        assigned None can't be returned. NUM_STAGES is a multiple of NUM_CONSUMERS, so each slot
+        always goes to the same consumer."""
+        tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
+        k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
+        v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
+        return (
+            q_bufs, k_bufs, v_bufs,
+            tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES) if WITH_DO else tl.constexpr(None),
+            # In the backward, the item's cos/sin serve the rotations of q, k (and v) and, read
+            # again from the slot, the epilogues of dQ, dK (and dV).
+            tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES) if ROTARY else tl.constexpr(None),
+            tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES) if ROTARY else tl.constexpr(None),
+            tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1),
+            tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1),
+        )
+
+    @triton.jit
     def _load_items(desc_q, desc_k, desc_v, desc_do, desc_cos, desc_sin, q_bufs, k_bufs, v_bufs, do_bufs, cos_bufs,
                     sin_bufs, fulls, empties, block_start_ptr, block_len_ptr, num_blocks_ptr, H,
-                    SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+                    NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
         """The producer partition: item j of this program waits for ring slot j % NUM_STAGES to be
         free, then TMA-loads its q, k, v tiles, its dO tile (the backward's: do_bufs is None in the
-        forward) and, with ROTARY, its cos/sin rows into the slot, whose full barrier expects SLOT_BYTES."""
+        forward) and, with ROTARY, its cos/sin rows into the slot, whose full barrier expects them all."""
+        TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(tlx.dtype_of(desc_q))
+        SLOT_BYTES: tl.constexpr = (3 + (do_bufs is not None)) * TILE_BYTES + (BLOCK * HEAD_DIM * 4 if ROTARY else 0)
         pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
         for j in range(0, n_local):
             head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
@@ -218,6 +246,15 @@ if HAS_TLX:
             if ROTARY:
                 tlx.async_descriptor_load(desc_cos, cos_bufs[slot], [start, 0], fulls[slot])
                 tlx.async_descriptor_load(desc_sin, sin_bufs[slot], [start, 0], fulls[slot])
+
+    @triton.jit
+    def _next_item(j, pid, nprog, H, block_start_ptr, block_len_ptr, fulls, NUM_STAGES: tl.constexpr):
+        """A consumer's item j of this program: its head, start and length, and its ring slot, once
+        the producer has filled it."""
+        head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
+        slot = j % NUM_STAGES
+        tlx.barrier_wait(fulls[slot], (j // NUM_STAGES) & 1)
+        return head, start, length, slot
 
     @triton.jit
     def _rotate_in_place(buf, cos, sin, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -242,34 +279,19 @@ if HAS_TLX:
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
         O_TMA_STORE: tl.constexpr,
     ):
-        BLOCK: tl.constexpr = 64
-        HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
-        TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        SLOT_BYTES: tl.constexpr = 3 * TILE_BYTES + (2 * BLOCK * HALF * 4 if ROTARY else 0)
-        tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
-
-        q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        if ROTARY:
-            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
-            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
-        else:
-            cos_bufs = None
-            sin_bufs = None
+        q_bufs, k_bufs, v_bufs, _, cos_bufs, sin_bufs, fulls, empties = _alloc_ring(
+            dtype, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, ROTARY, False)
         if O_TMA_STORE:
             # Per-consumer staging of O, outside the ring so a slot is released right after PV
             # instead of after the TMA engine has read O out of it.
             o_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_CONSUMERS)
-        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
-        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
                 _load_items(desc_q, desc_k, desc_v, None, desc_cos, desc_sin, q_bufs, k_bufs, v_bufs, None, cos_bufs,
-                            sin_bufs, fulls, empties, block_start_ptr, block_len_ptr, num_blocks_ptr, H, SLOT_BYTES,
-                            NUM_STAGES, HEAD_DIM, ROTARY)
+                            sin_bufs, fulls, empties, block_start_ptr, block_len_ptr, num_blocks_ptr, H, NUM_STAGES,
+                            HEAD_DIM, ROTARY)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -277,10 +299,8 @@ if HAS_TLX:
                 cols = tl.arange(0, BLOCK)
                 pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
                 for j in range(cid, n_local, NUM_CONSUMERS):
-                    head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
-                    slot = j % NUM_STAGES
-                    phase = (j // NUM_STAGES) & 1
-                    tlx.barrier_wait(fulls[slot], phase)
+                    head, start, length, slot = _next_item(j, pid, nprog, H, block_start_ptr, block_len_ptr, fulls,
+                                                           NUM_STAGES)
                     if ROTARY:
                         c = tlx.local_load(cos_bufs[slot])
                         s = tlx.local_load(sin_bufs[slot])
@@ -330,37 +350,19 @@ if HAS_TLX:
         NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
         SHARED_T_TILE: tl.constexpr,
     ):
-        BLOCK: tl.constexpr = 64
-        HALF: tl.constexpr = HEAD_DIM // 2
         dtype: tl.constexpr = tlx.dtype_of(desc_q)
-        TILE_BYTES: tl.constexpr = BLOCK * HEAD_DIM * tlx.size_of(dtype)
-        SLOT_BYTES: tl.constexpr = 4 * TILE_BYTES + (2 * BLOCK * HALF * 4 if ROTARY else 0)
-        tl.static_assert(NUM_STAGES % NUM_CONSUMERS == 0)
-
-        q_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        k_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        v_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        do_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, NUM_STAGES)
-        # The item's cos/sin serve the rotations of q, k (and v) and, read again from the slot,
-        # the epilogues of dQ, dK (and dV).
-        if ROTARY:
-            cos_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
-            sin_bufs = tlx.local_alloc((BLOCK, HALF), tl.float32, NUM_STAGES)
-        else:
-            cos_bufs = None
-            sin_bufs = None
         # wgmma's A operand is read row-major from SMEM, so P^T and dS^T are written transposed,
         # each into its own tile or, with SHARED_T_TILE, one after the other into one tile.
         T_TILES: tl.constexpr = 1 if SHARED_T_TILE else 2
         t_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, NUM_CONSUMERS * T_TILES)
-        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
-        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+        q_bufs, k_bufs, v_bufs, do_bufs, cos_bufs, sin_bufs, fulls, empties = _alloc_ring(
+            dtype, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, ROTARY, True)
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
                 _load_items(desc_q, desc_k, desc_v, desc_do, desc_cos, desc_sin, q_bufs, k_bufs, v_bufs, do_bufs,
                             cos_bufs, sin_bufs, fulls, empties, block_start_ptr, block_len_ptr, num_blocks_ptr, H,
-                            SLOT_BYTES, NUM_STAGES, HEAD_DIM, ROTARY)
+                            NUM_STAGES, HEAD_DIM, ROTARY)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -370,11 +372,9 @@ if HAS_TLX:
                 dsT_buf = t_bufs[cid * T_TILES + T_TILES - 1]
                 pid, nprog, n_local = _num_local_items(num_blocks_ptr, H)
                 for j in range(cid, n_local, NUM_CONSUMERS):
-                    head, start, length = _item_coords(pid + j * nprog, H, block_start_ptr, block_len_ptr)
-                    slot = j % NUM_STAGES
-                    phase = (j // NUM_STAGES) & 1
+                    head, start, length, slot = _next_item(j, pid, nprog, H, block_start_ptr, block_len_ptr, fulls,
+                                                           NUM_STAGES)
                     row_ok = idx < length
-                    tlx.barrier_wait(fulls[slot], phase)
                     q_s = q_bufs[slot]
                     k_s = k_bufs[slot]
                     v_s = v_bufs[slot]
@@ -481,22 +481,54 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
+def _rows_contiguous(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether each x[t] of x [T, ...] is contiguous, from the shape and strides alone (x[0].is_contiguous()
+    would make a view per call)."""
+    expected = 1
+    for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# One TensorDescriptor per (dtype, row, pitch, block_cols), validated by Triton and kept without
+# its tensor: a call's descriptor is a copy with its own base and row count, skipping the
+# validation (__post_init__), which costs more host time than the launch. Nothing it checks
+# changes with the base or the row count beyond what _tma_desc ensures: a 16-byte aligned base
+# and at least one block of rows.
+_VALIDATED_DESCRIPTORS: dict[tuple, "TensorDescriptor"] = {}
+
+
+def _descriptor(x: torch.Tensor, row: int, pitch: int, block_cols: int) -> "TensorDescriptor":
+    """TensorDescriptor(x, shape=[T, row], strides=[pitch, 1], block_shape=[64, block_cols])."""
+    key = (x.dtype, row, pitch, block_cols)
+    validated = _VALIDATED_DESCRIPTORS.get(key)
+    if validated is None:
+        validated = TensorDescriptor(x, shape=[x.shape[0], row], strides=[pitch, 1], block_shape=[BLOCK_SIZE, block_cols])
+        validated.base = None
+        _VALIDATED_DESCRIPTORS[key] = validated
+    descriptor = object.__new__(TensorDescriptor)  # no __init__: no __post_init__
+    descriptor.__dict__.update(validated.__dict__, base=x, shape=[x.shape[0], row])
+    return descriptor
+
+
 def _tma_desc(x: torch.Tensor, block_cols: int):
     """TMA descriptor of [64, block_cols] boxes over x [T, ...] viewed as 2-D [T, row]. Rows may be
     strided, as q, k and v are when they are views of one packed qkv projection, so those take no
     copy; TMA needs each row's elements contiguous, a 16-byte aligned base and row pitch, and at
     least one block of rows (a box may not exceed the tensor it tiles). Anything else is copied
     (padding rows are zeros and never stored back)."""
-    row = math.prod(x.shape[1:])
-    rows_contiguous = x.shape[0] == 0 or x[0].is_contiguous()
-    pitch_bytes = x.stride(0) * x.element_size()
-    if not rows_contiguous or pitch_bytes % 16 or x.data_ptr() % 16 or x.shape[0] < BLOCK_SIZE:
+    shape, strides = x.shape, x.stride()
+    row = math.prod(shape[1:])
+    if (not _rows_contiguous(shape, strides) or strides[0] * x.element_size() % 16 or x.data_ptr() % 16
+            or shape[0] < BLOCK_SIZE):
         x = x.contiguous()
         if x.data_ptr() % 16:  # a contiguous view at a misaligned offset: only a fresh copy is aligned
             x = x.clone()
         if x.shape[0] < BLOCK_SIZE:
             x = torch.cat([x, x.new_zeros((BLOCK_SIZE - x.shape[0], *x.shape[1:]))])
-    return TensorDescriptor(x, shape=[x.shape[0], row], strides=[x.stride(0), 1], block_shape=[BLOCK_SIZE, block_cols])
+    return _descriptor(x, row, x.stride(0), block_cols)
 
 
 def _rotary_descs(cos, sin):
@@ -507,44 +539,49 @@ def _rotary_descs(cos, sin):
 
 
 def _grid(q: torch.Tensor, block_start: torch.Tensor) -> tuple[int]:
-    return (max(1, min(_num_sms(q.device), block_start.numel() * q.shape[1])),)
+    return (max(1, min(_num_sms(q.device), block_start.shape[0] * q.shape[1])),)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_kwargs(backward: bool, head_dim: int, rotary: bool, rotate_v: bool, launch: str) -> dict:
+    """The constexprs and launch options of one kind of call, built once."""
+    cfg = tlx_config(head_dim, rotary, backward=backward, overrides=launch_overrides(launch, "bwd" if backward else "fwd"))
+    return dict(HEAD_DIM=head_dim, ROTARY=rotary, ROTATE_V=rotate_v and rotary, num_warps=4, num_stages=1, **cfg)
+
+
+def _launch(kernel, tiles: tuple, outs: tuple, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
+            backward: bool) -> None:
+    """Runs `kernel` on the TMA descriptors of `tiles` (q, k, v, then O or dO) and of the rotary
+    tables, writing `outs` (O, or dQ, dK, dV)."""
+    q = tiles[0]
+    T, H, D = q.shape
+    kwargs = _launch_kwargs(backward, D, cos is not None, bool(rotate_v), launch)
+    with torch.cuda.device(q.device):
+        kernel[_grid(q, block_start)](
+            *[_tma_desc(x, D) for x in tiles], *_rotary_descs(cos, sin), *outs, block_start, block_len, num_blocks,
+            H, H * D, 1.0 / math.sqrt(D), **kwargs,
+        )
 
 
 def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.shape[0] == 0:
         return [out]
-    T, H, D = q.shape
-    rotary = cos is not None
-    cfg = tlx_config(D, rotary, backward=False, overrides=launch_overrides(launch, "fwd"))
-    with torch.cuda.device(q.device):
-        # O's descriptor tiles the (padded, if T < 64) output; only full blocks are TMA-stored,
-        # and those lie inside [0, T), so the padding is never written.
-        descs = [_tma_desc(x, D) for x in (q, k, v, out)]
-        _tlx_block_attn_fwd[_grid(q, block_start)](
-            *descs, *_rotary_descs(cos, sin), out, block_start, block_len, num_blocks,
-            H, H * D, 1.0 / math.sqrt(D),
-            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
-        )
+    # O's descriptor tiles the (padded, if T < 64) output; only full blocks are TMA-stored, and
+    # those lie inside [0, T), so the padding is never written.
+    _launch(_tlx_block_attn_fwd, (q, k, v, out), (out,), block_start, block_len, num_blocks, cos, sin, rotate_v,
+            launch, backward=False)
     return [out]
 
 
 def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out):
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
-    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.numel() == 0:
+    if q.shape[0] == 0 or q.shape[1] == 0 or block_start.shape[0] == 0:
         return dq, dk, dv
-    T, H, D = q.shape
-    rotary = cos is not None
-    cfg = tlx_config(D, rotary, backward=True, overrides=launch_overrides(launch, "bwd"))
     if grad_out.dtype != q.dtype:
         grad_out = grad_out.to(q.dtype)
-    with torch.cuda.device(q.device):
-        descs = [_tma_desc(x, D) for x in (q, k, v, grad_out)]
-        _tlx_block_attn_bwd[_grid(q, block_start)](
-            *descs, *_rotary_descs(cos, sin), dq, dk, dv, block_start, block_len, num_blocks,
-            H, H * D, 1.0 / math.sqrt(D),
-            HEAD_DIM=D, ROTARY=rotary, ROTATE_V=bool(rotate_v and rotary), num_warps=4, num_stages=1, **cfg,
-        )
+    _launch(_tlx_block_attn_bwd, (q, k, v, grad_out), (dq, dk, dv), block_start, block_len, num_blocks, cos, sin,
+            rotate_v, launch, backward=True)
     return dq, dk, dv
 
 

@@ -15,8 +15,9 @@ Invariants the kernels rely on:
   bitwise deterministic.
 - q, k, v (and dq, dk, dv) share a (token, head) stride pair and a contiguous last dim, so they
   can be separate [T, H, D] tensors or the three views of one packed [T, 3, H, D] buffer.
-- Launch settings (warps, register cap) are LaunchConfig knobs of the one forward and one backward
-  kernel, not copies of them. The grid has one program per (block, head) item, so the grid-stride
+- One kernel runs both passes (BACKWARD selects one at compile time), so they walk, load and
+  rotate items one way. Launch settings (warps, register cap) are LaunchConfig knobs per pass,
+  not copies of the kernel. The grid has one program per (block, head) item, so the grid-stride
   loop runs once on a GPU; the CPU interpreter runs a few programs that each walk several items.
   Consecutive programs take the heads of one block, which sit side by side in memory.
 """
@@ -125,12 +126,17 @@ def _softmax_scores(q, k, length, qk_scale, BLOCK: tl.constexpr, DOT_PRECISION: 
 
 
 @triton.jit
-def _block_attention_fwd(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, out_ptr, block_start_ptr, block_len_ptr, num_blocks_ptr,
-    heads, stride_t, stride_h, out_stride_t, out_stride_h, qk_scale,
+def _block_attention(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, do_ptr, out_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr,
+    num_blocks_ptr, heads, stride_t, stride_h, do_stride_t, do_stride_h, out_stride_t, out_stride_h,
+    sm_scale, qk_scale,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
 ):
+    """The forward (out_ptr: O) or, with BACKWARD, the backward (do_ptr: dO; out_ptr, dk_ptr, dv_ptr:
+    dQ, dK, dV, which share out_stride_*) of every (block, head) item. One kernel for both passes,
+    so they walk the items, load and rotate them and take the softmax one way; the other pass's
+    arguments are None."""
     dtype = q_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK)
     # Only the table's first num_blocks rows are real, so every item visited has length >= 1.
@@ -139,53 +145,37 @@ def _block_attention_fwd(
     for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=1):
         head, start, length, row_ok, q, k, v = _load_item(
             item, rows, q_ptr, k_ptr, v_ptr, block_start_ptr, block_len_ptr, heads, stride_t, stride_h, BLOCK, HEAD_DIM)
+        if BACKWARD:
+            do_offs = _tile_offsets(start, head, do_stride_t, do_stride_h, BLOCK, HEAD_DIM)
+            do = tl.load(do_ptr + do_offs, mask=row_ok[:, None], other=0.0)
         if ROTARY:
+            # The backward's are recomputed from the raw inputs, bit-identical to the forward's.
             q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM, ROTATE_V)
         p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
-        # P in the input dtype for the PV product, as FlashAttention does; normalize after.
-        out = tl.dot(p.to(dtype), v, input_precision=DOT_PRECISION) / row_sum[:, None]
-        out_offs = _tile_offsets(start, head, out_stride_t, out_stride_h, BLOCK, HEAD_DIM)
-        tl.store(out_ptr + out_offs, out.to(dtype), mask=row_ok[:, None])
+        if BACKWARD:
+            p = p / row_sum[:, None]
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            di = tl.sum(p * dp, 1)
+            ds = (p * (dp - di[:, None]) * sm_scale).to(dtype)
+            grad_offs = _tile_offsets(start, head, out_stride_t, out_stride_h, BLOCK, HEAD_DIM)
 
-
-@triton.jit
-def _block_attention_bwd(
-    q_ptr, k_ptr, v_ptr, do_ptr, cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, block_start_ptr, block_len_ptr,
-    num_blocks_ptr, heads, stride_t, stride_h, do_stride_t, do_stride_h, grad_stride_t, grad_stride_h,
-    sm_scale, qk_scale,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    dtype = q_ptr.dtype.element_ty
-    rows = tl.arange(0, BLOCK)
-    num_items = tl.load(num_blocks_ptr).to(tl.int32) * heads
-    for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), num_stages=1):
-        head, start, length, row_ok, q, k, v = _load_item(
-            item, rows, q_ptr, k_ptr, v_ptr, block_start_ptr, block_len_ptr, heads, stride_t, stride_h, BLOCK, HEAD_DIM)
-        do_offs = _tile_offsets(start, head, do_stride_t, do_stride_h, BLOCK, HEAD_DIM)
-        do = tl.load(do_ptr + do_offs, mask=row_ok[:, None], other=0.0)
-        if ROTARY:
-            # Recomputed from the raw inputs, bit-identical to the forward's rotated tiles.
-            q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM, ROTATE_V)
-        p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
-        p = p / row_sum[:, None]
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        di = tl.sum(p * dp, 1)
-        ds = (p * (dp - di[:, None]) * sm_scale).to(dtype)
-        grad_offs = _tile_offsets(start, head, grad_stride_t, grad_stride_h, BLOCK, HEAD_DIM)
-
-        dv = tl.dot(tl.trans(p.to(dtype)), do, input_precision=DOT_PRECISION)
-        if ROTATE_V:
-            dv = rotate_pairs(dv, cos, sin, BLOCK, HEAD_DIM, True)
-        tl.store(dv_ptr + grad_offs, dv.to(dtype), mask=row_ok[:, None])
-        dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
-        if ROTARY:
-            dk = rotate_pairs(dk, cos, sin, BLOCK, HEAD_DIM, True)
-        tl.store(dk_ptr + grad_offs, dk.to(dtype), mask=row_ok[:, None])
-        dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-        if ROTARY:
-            dq = rotate_pairs(dq, cos, sin, BLOCK, HEAD_DIM, True)
-        tl.store(dq_ptr + grad_offs, dq.to(dtype), mask=row_ok[:, None])
+            dv = tl.dot(tl.trans(p.to(dtype)), do, input_precision=DOT_PRECISION)
+            if ROTATE_V:
+                dv = rotate_pairs(dv, cos, sin, BLOCK, HEAD_DIM, True)
+            tl.store(dv_ptr + grad_offs, dv.to(dtype), mask=row_ok[:, None])
+            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
+            if ROTARY:
+                dk = rotate_pairs(dk, cos, sin, BLOCK, HEAD_DIM, True)
+            tl.store(dk_ptr + grad_offs, dk.to(dtype), mask=row_ok[:, None])
+            dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+            if ROTARY:
+                dq = rotate_pairs(dq, cos, sin, BLOCK, HEAD_DIM, True)
+            tl.store(out_ptr + grad_offs, dq.to(dtype), mask=row_ok[:, None])
+        else:
+            # P in the input dtype for the PV product, as FlashAttention does; normalize after.
+            out = tl.dot(p.to(dtype), v, input_precision=DOT_PRECISION) / row_sum[:, None]
+            out_offs = _tile_offsets(start, head, out_stride_t, out_stride_h, BLOCK, HEAD_DIM)
+            tl.store(out_ptr + out_offs, out.to(dtype), mask=row_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,20 +215,21 @@ def launch_config(direction: str, head_dim: int, rotary: bool, launch: str = "")
     return replace(_LAUNCH_CONFIGS[(direction, head_dim, rotary)], **overrides)
 
 
-def _launch(kernel, direction: str, max_items: int, device: torch.device, launch: str, args: tuple,
-            constexprs: dict) -> None:
-    """Runs `kernel` over up to `max_items` (block, head) items; the kernel itself reads how many
-    are real. The interpreter runs a few programs, so each loops over several items."""
-    config = launch_config(direction, constexprs["HEAD_DIM"], constexprs["ROTARY"], launch)
-    if _INTERPRETED or device.type != "cuda":
-        kernel[(min(max_items, _INTERPRETER_PROGRAMS),)](*args, **constexprs)
-        return
-    options = dict(num_warps=config.num_warps)
-    if config.maxnreg is not None:
-        options["maxnreg"] = config.maxnreg
-    # Triton launches on the current device, which need not be the tensors' one.
-    with torch.cuda.device(device):
-        kernel[(max_items,)](*args, **constexprs, **options)
+@functools.lru_cache(maxsize=None)
+def _launch_kwargs(direction: str, head_dim: int, dtype: torch.dtype, rotary: bool, rotate_v: bool, launch: str,
+                   on_gpu: bool) -> dict:
+    """The kernel's constexprs and launch options for one kind of call, built once."""
+    kwargs = dict(
+        BLOCK=BLOCK_SIZE, HEAD_DIM=head_dim, ROTARY=rotary, ROTATE_V=rotary and rotate_v,
+        # fp32 inputs are for exactness (tests), so no TF32 rounding; 16-bit inputs ignore this.
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", BACKWARD=direction == "bwd",
+    )
+    config = launch_config(direction, head_dim, rotary, launch)
+    if on_gpu:
+        kwargs["num_warps"] = config.num_warps
+        if config.maxnreg is not None:
+            kwargs["maxnreg"] = config.maxnreg
+    return kwargs
 
 
 def _shared_strides(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
@@ -248,12 +239,29 @@ def _shared_strides(tensors: tuple[torch.Tensor, ...]) -> tuple[int, int]:
     return strides.pop()
 
 
-def _kernel_constexprs(q: torch.Tensor, rotary: bool, rotate_v: bool) -> dict:
-    return dict(
-        BLOCK=BLOCK_SIZE, HEAD_DIM=q.shape[-1], ROTARY=rotary, ROTATE_V=rotary and rotate_v,
-        # fp32 inputs are for exactness (tests), so no TF32 rounding; 16-bit inputs ignore this.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+def _launch(direction: str, q, k, v, cos, sin, grad_out, outs: tuple, block_start, block_len, num_blocks,
+            sm_scale, qk_scale, rotate_v: bool, launch: str) -> None:
+    """Runs `direction`'s pass of the kernel over up to one program per (block, head) row of the
+    table; the kernel itself reads how many are real. `outs` is (O,) or (dQ, dK, dV); grad_out and
+    sm_scale are the backward's (None in the forward). The interpreter runs a few programs, so each
+    loops over several items."""
+    heads = q.shape[1]
+    stride_t, stride_h = _shared_strides((q, k, v))
+    out_stride_t, out_stride_h = _shared_strides(outs)
+    do_stride_t, do_stride_h = (None, None) if grad_out is None else grad_out.stride()[:2]
+    dk, dv = outs[1:] if len(outs) == 3 else (None, None)
+    on_gpu = q.device.type == "cuda" and not _INTERPRETED
+    kwargs = _launch_kwargs(direction, q.shape[2], q.dtype, cos is not None, rotate_v, launch, on_gpu)
+    max_items = block_start.shape[0] * heads
+    grid = (max_items,) if on_gpu else (min(max_items, _INTERPRETER_PROGRAMS),)
+    args = (q, k, v, cos, sin, grad_out, outs[0], dk, dv, block_start, block_len, num_blocks, heads, stride_t, stride_h,
+            do_stride_t, do_stride_h, out_stride_t, out_stride_h, sm_scale, qk_scale)
+    if not on_gpu:
+        _block_attention[grid](*args, **kwargs)
+        return
+    # Triton launches on the current device, which need not be the tensors' one.
+    with torch.cuda.device(q.device):
+        _block_attention[grid](*args, **kwargs)
 
 
 def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
@@ -261,13 +269,8 @@ def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, la
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if total_tokens == 0 or heads == 0:
         return [out]
-    stride_t, stride_h = _shared_strides((q, k, v))
-    args = (
-        q, k, v, cos, sin, out, block_start, block_len, num_blocks,
-        heads, stride_t, stride_h, out.stride(0), out.stride(1), math.log2(math.e) / math.sqrt(head_dim),
-    )
-    _launch(_block_attention_fwd, "fwd", block_start.numel() * heads, q.device, launch, args,
-            _kernel_constexprs(q, cos is not None, rotate_v))
+    _launch("fwd", q, k, v, cos, sin, None, (out,), block_start, block_len, num_blocks,
+            None, math.log2(math.e) / math.sqrt(head_dim), rotate_v, launch)
     return [out]
 
 
@@ -276,19 +279,12 @@ def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, r
     dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
     if total_tokens == 0 or heads == 0:
         return dq, dk, dv
-    stride_t, stride_h = _shared_strides((q, k, v))
-    grad_stride_t, grad_stride_h = _shared_strides((dq, dk, dv))
     grad_out = grad_out.to(q.dtype)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     sm_scale = 1.0 / math.sqrt(head_dim)
-    args = (
-        q, k, v, grad_out, cos, sin, dq, dk, dv, block_start, block_len, num_blocks,
-        heads, stride_t, stride_h, grad_out.stride(0), grad_out.stride(1),
-        grad_stride_t, grad_stride_h, sm_scale, sm_scale * math.log2(math.e),
-    )
-    _launch(_block_attention_bwd, "bwd", block_start.numel() * heads, q.device, launch, args,
-            _kernel_constexprs(q, cos is not None, rotate_v))
+    _launch("bwd", q, k, v, cos, sin, grad_out, (dq, dk, dv), block_start, block_len, num_blocks,
+            sm_scale, sm_scale * math.log2(math.e), rotate_v, launch)
     return dq, dk, dv
 
 

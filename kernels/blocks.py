@@ -5,12 +5,16 @@ sequence is cut into BLOCK_SIZE-token blocks from its own start, so a block neve
 sequences and only a sequence's last block can be partial. Blocks tile the tokens in order.
 """
 
+import collections
 import contextlib
 import functools
 import importlib.util
+import weakref
 from dataclasses import dataclass
 
 import torch
+
+from .eager import eager_call
 
 BLOCK_SIZE = 64
 
@@ -129,11 +133,8 @@ def _check_offsets(offsets: torch.Tensor) -> None:
         )
 
 
-@torch.library.custom_op("block_attention::block_table", mutates_args=())
-def block_table_triton(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(block_start, block_len, num_blocks) exactly as block_table builds them, from a
-    prefix sum and one Triton kernel. num_blocks is an int64 0-dim device tensor. Runs on CUDA
-    tensors, or on CPU tensors when Triton's interpreter (TRITON_INTERPRET=1) is on."""
+def _fill_block_table(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_table_triton's implementation, which eager calls run without the op's dispatch."""
     import triton
 
     _check_offsets(offsets)
@@ -161,6 +162,14 @@ def block_table_triton(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.
             BLOCK=BLOCK_SIZE, ROWS=ROWS_PER_PROGRAM,
         )
     return block_start, block_len, num_blocks
+
+
+@torch.library.custom_op("block_attention::block_table", mutates_args=())
+def block_table_triton(offsets: torch.Tensor, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block_start, block_len, num_blocks) exactly as block_table builds them, from a
+    prefix sum and one Triton kernel. num_blocks is an int64 0-dim device tensor. Runs on CUDA
+    tensors, or on CPU tensors when Triton's interpreter (TRITON_INTERPRET=1) is on."""
+    return _fill_block_table(offsets, total_tokens)
 
 
 @block_table_triton.register_fake
@@ -205,15 +214,49 @@ class BlockTable:
         return torch.searchsorted(self.block_start, tokens, right=True) - 1
 
 
+# The tables of the last few offsets tensors block_table was given, for callers that pass the same
+# offsets (not a BlockTable) to every layer. A table is reused only for the same tensor object at
+# the same version counter (which every in-place torch op on it bumps) and total_tokens, outside
+# CUDA-graph capture (a captured call must launch its build, so a replay rebuilds from new offsets)
+# and tracing (kernels/eager.py). Writes that bypass the version counter (through .data, DLPack or a custom kernel)
+# are not seen: callers doing those pass a BlockTable.
+_RECENT_TABLES_KEPT = 8
+_recent_tables: collections.OrderedDict[int, tuple[weakref.ref, int, int, BlockTable]] = collections.OrderedDict()
+
+
+def _reusable(offsets: torch.Tensor) -> bool:
+    if not eager_call(offsets) or offsets.is_inference():  # inference tensors have no version counter
+        return False
+    return offsets.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 def block_table(offsets: torch.Tensor, total_tokens: int | None = None) -> BlockTable:
     """The BlockTable of `offsets` (int32 [B+1]). Pass `total_tokens` (q.shape[0]) so nothing reads
     offsets[-1] back to the host. On CUDA it is one prefix sum and one Triton kernel; elsewhere torch ops.
-    The offsets are trusted here: kernels.block_attention checks them (validate_offsets)."""
+    The offsets are trusted here: kernels.block_attention checks them (validate_offsets).
+    Calls on the same, unmodified offsets tensor return the same table (_recent_tables)."""
     if total_tokens is None:
         total_tokens = int(offsets[-1])
+    reusable = _reusable(offsets)
+    if reusable:
+        recent = _recent_tables.get(id(offsets))
+        if recent is not None and recent[0]() is offsets and recent[1:3] == (offsets._version, total_tokens):
+            _recent_tables.move_to_end(id(offsets))
+            return recent[3]
+    table = _build_block_table(offsets, total_tokens)
+    if reusable:
+        _recent_tables[id(offsets)] = (weakref.ref(offsets), offsets._version, total_tokens, table)
+        _recent_tables.move_to_end(id(offsets))
+        while len(_recent_tables) > _RECENT_TABLES_KEPT:
+            _recent_tables.popitem(last=False)
+    return table
+
+
+def _build_block_table(offsets: torch.Tensor, total_tokens: int) -> BlockTable:
     offsets = offsets.to(torch.int32)
     if offsets.device.type == "cuda" and _HAS_TRITON:
-        block_start, block_len, num_blocks = block_table_triton(offsets, total_tokens)
+        fill = _fill_block_table if eager_call(offsets) else block_table_triton
+        block_start, block_len, num_blocks = fill(offsets, total_tokens)
     else:
         block_start, block_len = block_table_torch(offsets, total_tokens)
         num_blocks = torch.count_nonzero(block_len)

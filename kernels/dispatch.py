@@ -91,9 +91,21 @@ def check_backend(name: str, device: torch.device | str) -> None:
 
 
 _warned_fallbacks: set[tuple[str, str]] = set()
+# The backend name each (name, device, dtype, rank, head_dim) resolved to: all that backends'
+# availability and unsupported_reason depend on (kernels.backend.Backend), so a call after the
+# first costs two dict look-ups. Only resolutions that succeeded are kept; a failing one raises
+# every time.
+_resolved: dict[tuple, str] = {}
 
 
 def _resolve(name: str, q: torch.Tensor) -> Backend:
+    key = (name, q.device, q.dtype, q.dim(), q.shape[-1])
+    if key not in _resolved:
+        _resolved[key] = _resolve_uncached(name, q).name
+    return get_backend(_resolved[key])
+
+
+def _resolve_uncached(name: str, q: torch.Tensor) -> Backend:
     if name != "auto":
         check_backend(name, q.device)
         backend = get_backend(name)

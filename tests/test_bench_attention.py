@@ -273,3 +273,26 @@ def test_describe_adds_warnings_only_to_sdpa_no_kernel_errors():
     )
     assert bench.describe(ValueError("bad dtype"), warned) == "ValueError: bad dtype"
     assert bench.describe(bench.SkipRow("needs a GPU")) == "needs a GPU"
+
+
+def test_host_profile_cpu_mode_counts_the_python_path_to_the_launch(tmp_path):
+    """benchmarks/host_profile.py --cpu times each layer of a call with the triton backend's launches
+    stubbed and counts its Python calls, every stage without error; the same offsets' reused block
+    table costs fewer calls than building one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "host_cpu.json"
+    proc = subprocess.run([sys.executable, "benchmarks/host_profile.py", "--cpu", "--backends", "triton", "--out",
+                           str(out)], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = json.loads(out.read_text())["backends"]["triton"]
+    assert "error" not in row, row
+    stages = {"block_table", "block_table_new_offsets", "backend_run", "dispatcher_table", "dispatcher_offsets",
+              "dispatcher_table_grad", "dispatcher_table_fwd_bwd"}
+    assert set(row) == stages
+    assert all(row[s]["host_us"] > 0 and row[s]["python_calls"] > 0 for s in stages)
+    # The same offsets' table is reused: fewer calls than building one for new offsets.
+    assert row["block_table"]["python_calls"] < row["block_table_new_offsets"]["python_calls"]

@@ -314,3 +314,67 @@ def test_flex_is_a_peer_that_auto_never_picks():
 
     assert "flex" in BACKENDS and "flex" not in AUTO_ORDER and "flex" not in AUTO_ORDER_SMALL_HEAD_DIM
     assert "FlexAttention has no backward on cpu" in backend_unavailable_reason("flex", "cpu")
+
+
+def test_eager_calls_skip_the_custom_ops_only_when_nothing_traces():
+    """kernels.eager.eager_call, which lets eager calls of a kernel backend skip its custom op's
+    dispatch, says yes for plain tensors called eagerly and no wherever something traces or wraps
+    them; this also holds the private torch calls it makes to their meaning."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kernels.eager import eager_call
+
+    x = torch.zeros(4)
+    assert eager_call(x, None)
+    assert not eager_call(x, torch.nn.Parameter(torch.zeros(1)))  # a subclass goes to the op
+    with FakeTensorMode() as mode:
+        assert not eager_call(mode.from_tensor(x))
+        assert not eager_call(x)  # a mode on the dispatch stack, whatever the tensors
+    seen = []
+    make_fx(lambda t: seen.append(eager_call(t)) or t + 1)(x)
+    torch.func.vmap(lambda t: seen.append(eager_call(t)) or t)(x[:, None])
+    torch.func.grad(lambda t: seen.append(eager_call(t)) or t.sum())(x)
+    assert seen == [False, False, False]
+    compiled = torch.compile(lambda t: t + 1 if eager_call(t) else t - 1, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), x - 1)
+
+
+def test_block_table_is_reused_until_its_offsets_change():
+    """block_table returns the table it built for the same offsets tensor while the tensor is
+    unchanged, and builds a new one after any in-place change or for another total_tokens: a stale
+    table would put tokens in the wrong blocks."""
+    from kernels.blocks import block_table_torch
+
+    def assert_table_of(table, lengths):
+        offsets = offsets_from_lengths(lengths)
+        expected_start, expected_len = block_table_torch(offsets, int(offsets[-1]))
+        assert torch.equal(table.offsets, offsets)
+        assert torch.equal(table.block_start, expected_start) and torch.equal(table.block_len, expected_len)
+        assert int(table.num_blocks) == int((expected_len > 0).sum())
+
+    offsets = offsets_from_lengths([70, 10, 100])
+    table = block_table(offsets, 180)
+    assert block_table(offsets, 180) is table  # reused: so the checks below see the reuse rule at work
+    assert_table_of(table, [70, 10, 100])
+    offsets[1:] = offsets_from_lengths([10, 70, 100])[1:]  # same total, other blocks
+    assert_table_of(block_table(offsets, 180), [10, 70, 100])
+    with torch.no_grad():
+        offsets.copy_(offsets_from_lengths([100, 10, 70]))
+    assert_table_of(block_table(offsets, 180), [100, 10, 70])
+    with torch.inference_mode():
+        offsets.copy_(offsets_from_lengths([1, 1, 178]))
+    assert_table_of(block_table(offsets, 180), [1, 1, 178])
+    assert block_table(offsets, 180).total_tokens == 180 and block_table(offsets[:3], 71).total_tokens == 71
+    with torch.inference_mode():  # inference tensors have no version counter: built every time
+        frozen = offsets_from_lengths([5, 5])
+        assert block_table(frozen, 10) is not block_table(frozen, 10)
+
+    # Through block_attention: after an in-place change, the result is the new offsets'.
+    offsets = offsets_from_lengths([70, 60])
+    q, k, v = random_qkv(130, 2, 16)
+    block_attention(q, k, v, offsets, backend="reference")
+    offsets[1] = 60
+    torch.testing.assert_close(block_attention(q, k, v, offsets, backend="reference"),
+                               block_attention(q, k, v, offsets_from_lengths([60, 70]), backend="reference"),
+                               rtol=0, atol=0)

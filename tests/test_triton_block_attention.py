@@ -155,3 +155,27 @@ def test_public_api_compiles_without_graph_breaks():
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
     for name, a, b in zip(("out", "dq", "dk", "dv"), _run(compiled, q, k, v, grad_out), _run(layer, q, k, v, grad_out)):
         torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+
+
+def test_eager_calls_run_the_launchers_the_custom_ops_run():
+    """An eager call skips the custom op's dispatch (kernels/eager.py) and gives the op's result,
+    gradients included, bit for bit; a call under a dispatch mode goes through the op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, offsets, grad_out = _inputs((3, 70), 32, torch.float32, seed=5)
+    table = block_table(offsets, q.shape[0])
+    cos, sin = rotary_tables(Rotary(), offsets, q.shape[0], 32)
+    backend = get_backend("triton")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    eager = backend.run(*leaves, table, cos, sin, True, "")
+    assert type(eager.grad_fn).__name__ == "EagerCallBackward"
+    through_op = backend.ops.forward_op(*leaves, *table.tensors(), cos, sin, True, "")[0]
+    assert type(through_op.grad_fn).__name__ != "EagerCallBackward"
+    assert torch.equal(eager, through_op)
+    for a, b in zip(torch.autograd.grad(eager, leaves, grad_out), torch.autograd.grad(through_op, leaves, grad_out)):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(backend.run(q, k, v, table, cos, sin, True, ""), eager)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the op's fake implementation, no kernel
+        fake = backend.run(q, k, v, table, cos, sin, True, "")
+    assert type(fake).__name__ == "FakeTensor" and fake.shape == q.shape
