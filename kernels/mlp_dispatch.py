@@ -27,6 +27,7 @@ import torch
 
 from .backend import launch_json
 from .dispatch import backend_unavailable_reason, check_backend
+from .eager import eager_call
 from .mlp_sublayer_reference import mlp_sublayer_reference
 
 # Backend <name> is the module kernels/mlp_sublayer_<name>.py (a kernel backend's exports `MLP_BACKEND`).
@@ -164,7 +165,8 @@ def mlp_sublayer(
 
 def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable[..., torch.Tensor]:
     """Registers a kernel backend's two launchers as `mlp_sublayer::<name>_forward` / `_backward`
-    custom ops with fake and autograd implementations; returns its `run`.
+    custom ops with fake and autograd implementations; returns its `run`, which eager calls
+    (kernels/eager.py) take through an autograd.Function over the same launchers instead.
 
         forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch) -> (y, hidden, mean, rstd)
         backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
@@ -189,12 +191,7 @@ def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable
         return [torch.empty_like(x, memory_format=torch.contiguous_format),
                 x.new_empty(tokens, w1.shape[0], dtype=w1.dtype), stats, torch.empty_like(stats)]
 
-    @torch.library.custom_op(f"mlp_sublayer::{name}_backward", mutates_args=())
-    def backward_op(
-        grad_y: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
-        w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor, mean: torch.Tensor,
-        rstd: torch.Tensor, eps: float, launch: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gradients(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
         dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts = backward(
             grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
         compute_dtype = w1.dtype
@@ -205,6 +202,14 @@ def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable
         dnw, dnb, db2 = column_parts.sum(0).unbind(0)
         return (dx, dnw.to(norm_weight.dtype, copy=True), dnb.to(norm_bias.dtype, copy=True), dw1,
                 db1_parts.sum(0).to(compute_dtype), dw2, db2.to(compute_dtype, copy=True))
+
+    @torch.library.custom_op(f"mlp_sublayer::{name}_backward", mutates_args=())
+    def backward_op(
+        grad_y: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
+        w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, hidden: torch.Tensor, mean: torch.Tensor,
+        rstd: torch.Tensor, eps: float, launch: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return gradients(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch)
 
     @backward_op.register_fake
     def _(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
@@ -220,15 +225,36 @@ def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable
         # The saved tensors among the outputs get no gradient: don't let autograd fill [T, H] zeros for them.
         ctx.set_materialize_grads(False)
 
-    def backward_formula(ctx, grads):
+    def backward_formula(ctx, grads, backward_fn=backward_op):
         grad_y = grads[0] if grads[0] is not None else torch.zeros_like(ctx.saved_tensors[0])
-        dx, dnw, dnb, dw1, db1, dw2, db2 = backward_op(grad_y, *ctx.saved_tensors, ctx.eps, ctx.launch)
+        dx, dnw, dnb, dw1, db1, dw2, db2 = backward_fn(grad_y, *ctx.saved_tensors, ctx.eps, ctx.launch)
         return dx, dnw, dnb, dw1, db1, dw2, db2, None, None
 
     forward_op.register_autograd(backward_formula, setup_context=setup_context)
 
+    class EagerCall(torch.autograd.Function):
+        """The custom ops' autograd formula over the launchers themselves, for eager calls
+        (kernels/eager.py: an op's dispatch costs more host time than its launches)."""
+
+        @staticmethod
+        def forward(ctx, *inputs):
+            outputs = list(forward(*inputs))
+            setup_context(ctx, inputs, outputs)
+            ctx.mark_non_differentiable(*outputs[1:])
+            return tuple(outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            return backward_formula(ctx, grads, gradients)
+
     def run(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
-        return forward_op(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch)[0]
+        tensors = (x, norm_weight, norm_bias, w1, b1, w2, b2)
+        if not eager_call(*tensors):
+            return forward_op(*tensors, eps, launch)[0]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return EagerCall.apply(*tensors, eps, launch)[0]
+        return forward(*tensors, eps, launch)[0]
 
     run.forward_op, run.backward_op = forward_op, backward_op
     return run

@@ -273,3 +273,26 @@ def test_benchmark_runs_variants_on_cpu(tmp_path):
     assert rows["triton_tiles_bwd"]["launch"] == {"bwd": {"plan": "tiles"}}
     assert "unknown Triton mlp_sublayer bwd plan 'nope'" in rows["bad_plan"]["error"]
     assert "triton_tiles_bwd" in out.with_suffix(".md").read_text()
+
+
+def test_eager_calls_skip_the_custom_ops():
+    """Eager calls run the launchers through an autograd.Function (the ops' dispatch costs host
+    time); what traces (here make_fx) still sees the custom ops. Same bits either way: see
+    test_public_api_compiles_without_graph_breaks."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves = [t.requires_grad_() for t in _leaves(70, 32, 64, torch.float32, seed=6)]
+
+    def ops_called(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            fn()
+        return {e.name for e in profiler.events() if e.name.startswith("mlp_sublayer::")}
+
+    def forward_backward():
+        y = mlp_sublayer(*leaves, backend="triton")
+        torch.autograd.grad(y.sum(), leaves)
+
+    assert ops_called(forward_backward) == set()
+    assert ops_called(lambda: mlp_sublayer(*[t.detach() for t in leaves], backend="triton")) == set()
+    graph = make_fx(lambda *t: mlp_sublayer(*t, backend="triton"))(*[t.detach() for t in leaves])
+    assert "mlp_sublayer.triton_forward" in str(graph.code)
