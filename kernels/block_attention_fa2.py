@@ -44,7 +44,9 @@ def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, la
     out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, BLOCK_SIZE, BLOCK_SIZE, 0.0, False, False, scale=1 / math.sqrt(q.shape[-1])
     )
-    return out, lse, rng_state, unused
+    # Without dropout the backward never reads the RNG state (the generator's position, different
+    # every call); zeroed, the op's outputs are a function of its inputs, as opcheck requires.
+    return out, lse, rng_state.zero_(), unused.zero_()
 
 
 def _fake_residuals(q):

@@ -29,6 +29,10 @@ except ImportError:
     HAS_FLEX_ATTENTION = False
 
 FLEX_TILE = 128
+# Token counts compiled_flex_attention may compile for (one each, dynamic=False). Past dynamo's
+# default of 8 it would run FlexAttention eagerly, which materializes the T x T scores: 108 GiB at
+# 85k tokens (H200, the GPU parity tests' ninth count).
+FLEX_RECOMPILE_LIMIT = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -84,10 +88,11 @@ def flex_block_attention(q, k, v, block_mask) -> torch.Tensor:
     def heads_first(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(0, 1).unsqueeze(0)
 
-    out = compiled_flex_attention(
-        heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask,
-        scale=1 / math.sqrt(q.shape[-1]), kernel_options=kernel_options(block_mask.BLOCK_SIZE[0]),
-    )
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT):
+        out = compiled_flex_attention(
+            heads_first(q), heads_first(k), heads_first(v), block_mask=block_mask,
+            scale=1 / math.sqrt(q.shape[-1]), kernel_options=kernel_options(block_mask.BLOCK_SIZE[0]),
+        )
     return out[0].transpose(0, 1)
 
 

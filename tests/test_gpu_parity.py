@@ -62,7 +62,7 @@ def test_parity_with_more_items_than_programs(backend):
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_compiled_layer_matches_eager(backend):
-    """torch.compile (inductor, fullgraph) of a layer around the kernel gives the eager result."""
+    """torch.compile (inductor, fullgraph but for flex) of a layer around the kernel gives the eager result."""
     _runnable(backend, 64, torch.bfloat16)
     lengths = [3, 70, 200]
     offsets = torch.tensor([0, 3, 73, 273], dtype=torch.int32, device="cuda")
@@ -80,7 +80,8 @@ def test_compiled_layer_matches_eager(backend):
         return [out, *torch.autograd.grad(out, leaves, inputs[3])]
 
     eager = out_and_grads(layer)
-    compiled = out_and_grads(torch.compile(layer, fullgraph=True))
+    # flex runs outside a compiled caller's graph by design (kernels/block_attention_flex.py): one break.
+    compiled = out_and_grads(torch.compile(layer, fullgraph=backend != "flex"))
     for name, a, b in zip(("out", "dq", "dk", "dv"), compiled, eager):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2, msg=lambda m: f"{name}: {m}")
 
