@@ -51,9 +51,7 @@ def forward_flops(config: RankingModelConfig, schema: FeatureSchema, history_len
     # Per layer: qkv (d -> 3d), out projection (d -> d), MLP (d -> hidden -> d).
     projections = 2 * num_tokens * d * (3 * d + d + 2 * hidden)
     attention = 4 * d * block_length_square_sum(tokens)
-    fixed_tokens = config.n_dense_tokens + len(schema.categorical)
-    readout = d * (fixed_tokens + 1 if config.readout == "fields" else 1)
-    head = 2 * batch_size * (readout * hidden + hidden)
+    head = 2 * batch_size * (d * hidden + hidden)
     return dense_mlp + embedding_proj + config.num_layers * (projections + attention) + head
 
 

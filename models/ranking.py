@@ -71,10 +71,6 @@ class RankingModelConfig:
         pad_tokens_to: round each batch's token count up to a multiple of this (0: no padding), with
             the pad tokens as one extra sequence that no real token attends to and pooling ignores,
             so a compiled tower sees a few shapes instead of one per batch.
-        readout: what the logit head sees of a sample's final tokens. "mean": their mean (d_model
-            wide). "fields": each fixed token (dense tokens, then one per categorical feature) side
-            by side, then the mean of all ((n_fixed + 1) * d_model wide), as DCN-style models keep
-            their field embeddings apart.
     """
 
     d_model: int = 64
@@ -91,7 +87,6 @@ class RankingModelConfig:
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     pad_tokens_to: int = 0
-    readout: Literal["mean", "fields"] = "mean"
 
     def __post_init__(self):
         check_choices(self)
@@ -201,8 +196,7 @@ class DenseTower(nn.Module):
         self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
         self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(d)
-        readout_width = d * (self.num_fixed_tokens + 1 if config.readout == "fields" else 1)
-        self.head = mlp(readout_width, config.mlp_ratio * d, 1)
+        self.head = mlp(d, config.mlp_ratio * d, 1)
 
     def build_tokens(self, dense: torch.Tensor, categorical: torch.Tensor, history: torch.Tensor,
                      history_lengths: torch.Tensor) -> JaggedTokens:
@@ -273,11 +267,6 @@ class DenseTower(nn.Module):
         # Mean over each sample's tokens (every sample has >= n_fixed >= 1); the pad sequence is dropped.
         summed = x.new_zeros(tokens.lengths.shape[0], x.shape[1]).index_add(0, tokens.sample_ids, x)
         pooled = summed[:-1] / tokens.lengths[:-1].clamp(min=1)[:, None].to(x.dtype)
-        if self.config.readout == "fields":
-            # A sample's fixed tokens are its first n_fixed (build_tokens).
-            batch_size, n_fixed = pooled.shape[0], self.num_fixed_tokens
-            first = offsets[:batch_size].long()[:, None] + torch.arange(n_fixed, device=x.device)
-            pooled = torch.cat([x[first.reshape(-1)].reshape(batch_size, n_fixed * x.shape[1]), pooled], dim=1)
         return self.head(pooled).squeeze(-1)
 
 

@@ -325,22 +325,3 @@ def test_available_memory_reads_meminfo(tmp_path):
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   12345 kB\n")
     assert memory.available_bytes(torch.device("cpu"), meminfo) == 12345 * 1024
     assert memory.available_bytes(torch.device("cpu"), tmp_path / "none") is None
-
-
-def test_fields_readout_puts_each_fixed_token_then_the_mean_before_the_head():
-    """readout="fields": the head sees sample b's final (normed) fixed tokens side by side, in
-    build_tokens' order, then the mean of all its tokens; "mean" sees the mean alone."""
-    torch.manual_seed(0)
-    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout="fields"))
-    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
-    seen = {}
-    model.tower.final_norm.register_forward_hook(lambda module, args, out: seen.update(final=out))
-    model.tower.head.register_forward_pre_hook(lambda module, args: seen.update(head=args[0]))
-    model(batch)
-    offsets = model.build_tokens(batch).offsets.long()
-    d, n_fixed = CONFIG.d_model, model.tower.num_fixed_tokens
-    assert seen["head"].shape == (3, (n_fixed + 1) * d)
-    for b in range(3):
-        tokens = seen["final"][offsets[b]:offsets[b + 1]]
-        torch.testing.assert_close(seen["head"][b, : n_fixed * d], tokens[:n_fixed].reshape(-1))
-        torch.testing.assert_close(seen["head"][b, n_fixed * d:], tokens.mean(0))
