@@ -79,7 +79,7 @@ for s in "$@"; do
     quality_start)  # QUALITY_PROTOCOLS (default recbole_ml1m_context) tuned one after another, QUALITY_JOBS runs at a
       # time; a tuning cut short in an earlier session resumes from its quality_runs.tgz carried as .gpu/quality_runs.tgz
       mkdir -p /tmp/data_cache
-      pack=$(ls /tmp/ml1m_raw.tar.xz .gpu/ml1m_raw.tar.xz 2>/dev/null | head -1)
+      pack=$(ls /tmp/ml1m_raw.tar.xz .gpu-data/ml1m_raw.tar.xz 2>/dev/null | head -1)
       [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache
       [[ -f .gpu/quality_runs.tgz && ! -d /tmp/quality ]] && tar xzf .gpu/quality_runs.tgz -C /tmp
       if [[ ! -f /tmp/data_cache/raw/ml-1m/ml-1m.inter ]]; then
