@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from .blocks import BlockTable
-from .eager import eager_call
+from .eager import op_or_eager
 
 
 @dataclass(frozen=True)
@@ -122,29 +122,12 @@ def kernel_ops(
 
     forward_op.register_autograd(lambda ctx, grads: gradients(ctx, grads[0], backward_op), setup_context=setup_context)
 
-    class EagerCall(torch.autograd.Function):
-        """The custom ops' autograd formula over the launchers themselves, for eager calls."""
-
-        @staticmethod
-        def forward(ctx, *inputs):
-            outputs = list(forward_launcher(*inputs))
-            setup_context(ctx, inputs, outputs)
-            ctx.mark_non_differentiable(*outputs[1:])
-            return tuple(outputs)
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, grad_out, *_):
-            # The launcher takes the saved outputs spread out, where backward_op takes them as a list.
-            return gradients(ctx, grad_out, lambda *args: backward_launcher(*args[:-1], *args[-1]))
+    # The launcher takes the saved outputs spread out, where backward_op takes them as a list.
+    call = op_or_eager(forward_op, forward_launcher, setup_context, lambda ctx, grads: gradients(
+        ctx, grads[0], lambda *args: backward_launcher(*args[:-1], *args[-1])))
 
     def run(q, k, v, table: BlockTable, cos, sin, rotate_v: bool, launch: str) -> torch.Tensor:
-        tensors = (q, k, v, *table.tensors(), cos, sin)
-        if not eager_call(*tensors):
-            return forward_op(*tensors, bool(rotate_v), launch)[0]
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return EagerCall.apply(*tensors, bool(rotate_v), launch)[0]
-        return forward_launcher(*tensors, bool(rotate_v), launch)[0]
+        return call((q, k, v, *table.tensors(), cos, sin), bool(rotate_v), launch)
 
     run.forward_op, run.backward_op = forward_op, backward_op
     return run

@@ -24,3 +24,33 @@ def eager_call(*tensors: torch.Tensor | None) -> bool:
         if x is not None and type(x) is not torch.Tensor:
             return False
     return True
+
+
+def op_or_eager(forward_op, forward_launcher, setup_context, eager_gradients):
+    """`call(tensors, *constants)` -> the first output of a kernel custom op `forward_op`, run as the
+    op where something traces (eager_call is False); otherwise its launcher `forward_launcher`
+    directly, under an autograd.Function with the op's formula (setup_context, and
+    eager_gradients(ctx, grads) -> the inputs' gradients) when a tensor needs a gradient. The
+    launcher's outputs after the first are saved for the backward and get no gradient."""
+
+    class EagerCall(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            outputs = list(forward_launcher(*inputs))
+            setup_context(ctx, inputs, outputs)
+            ctx.mark_non_differentiable(*outputs[1:])
+            return tuple(outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            return eager_gradients(ctx, grads)
+
+    def call(tensors, *constants):
+        if not eager_call(*tensors):
+            return forward_op(*tensors, *constants)[0]
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return EagerCall.apply(*tensors, *constants)[0]
+        return forward_launcher(*tensors, *constants)[0]
+
+    return call

@@ -27,7 +27,7 @@ import torch
 
 from .backend import launch_json
 from .dispatch import backend_unavailable_reason, check_backend
-from .eager import eager_call
+from .eager import op_or_eager
 from .mlp_sublayer_reference import mlp_sublayer_reference
 
 # Backend <name> is the module kernels/mlp_sublayer_<name>.py (a kernel backend's exports `MLP_BACKEND`).
@@ -232,29 +232,10 @@ def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable
 
     forward_op.register_autograd(backward_formula, setup_context=setup_context)
 
-    class EagerCall(torch.autograd.Function):
-        """The custom ops' autograd formula over the launchers themselves, for eager calls
-        (kernels/eager.py: an op's dispatch costs more host time than its launches)."""
-
-        @staticmethod
-        def forward(ctx, *inputs):
-            outputs = list(forward(*inputs))
-            setup_context(ctx, inputs, outputs)
-            ctx.mark_non_differentiable(*outputs[1:])
-            return tuple(outputs)
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, *grads):
-            return backward_formula(ctx, grads, gradients)
+    call = op_or_eager(forward_op, forward, setup_context, lambda ctx, grads: backward_formula(ctx, grads, gradients))
 
     def run(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
-        tensors = (x, norm_weight, norm_bias, w1, b1, w2, b2)
-        if not eager_call(*tensors):
-            return forward_op(*tensors, eps, launch)[0]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return EagerCall.apply(*tensors, eps, launch)[0]
-        return forward(*tensors, eps, launch)[0]
+        return call((x, norm_weight, norm_bias, w1, b1, w2, b2), eps, launch)
 
     run.forward_op, run.backward_op = forward_op, backward_op
     return run

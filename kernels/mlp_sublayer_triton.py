@@ -119,13 +119,11 @@ def _layer_norm_fwd_rows(
 
 
 @triton.jit
-def _hidden_gemm(
-    normed_ptr, w1_ptr, b1_ptr, hidden_ptr, T, H,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One [BLOCK_M, BLOCK_N] tile of the pre-activation LN(x) · W1ᵀ + b1, rounded to the compute dtype."""
-    dtype = w1_ptr.dtype.element_ty
+def _hidden_width_tile(a_ptr, b_ptr, T, H, D: tl.constexpr, B_IS_W1: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] fp32 tile of A [T, D] · B, B [D, H] being W1ᵀ (W1 [H, D])
+    or W2 [D, H] itself; with its rows, hidden columns and their masks. The column tiles of one row
+    tile are consecutive programs: they run side by side and read their A rows from L2, not HBM."""
     column_tiles = tl.cdiv(H, BLOCK_N)
     tile_m = tl.program_id(0) // column_tiles
     tile_n = tl.program_id(0) % column_tiles
@@ -137,9 +135,25 @@ def _hidden_gemm(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        normed = tl.load(normed_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
-        w1 = tl.load(w1_ptr + hcols[None, :] * D + ks[:, None], mask=hcol_ok[None, :], other=0.0)  # W1ᵀ [K, N]
-        acc = tl.dot(normed, w1, acc, input_precision=DOT_PRECISION)
+        a = tl.load(a_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
+        if B_IS_W1:
+            b = tl.load(b_ptr + hcols[None, :] * D + ks[:, None], mask=hcol_ok[None, :], other=0.0)
+        else:
+            b = tl.load(b_ptr + ks[:, None] * H + hcols[None, :], mask=hcol_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc, tile_m, rows64, row_ok, hcols, hcol_ok
+
+
+@triton.jit
+def _hidden_gemm(
+    normed_ptr, w1_ptr, b1_ptr, hidden_ptr, T, H,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of the pre-activation LN(x) · W1ᵀ + b1, rounded to the compute dtype."""
+    dtype = w1_ptr.dtype.element_ty
+    acc, _, rows64, row_ok, hcols, hcol_ok = _hidden_width_tile(normed_ptr, w1_ptr, T, H, D, True, BLOCK_M, BLOCK_N,
+                                                                BLOCK_K, DOT_PRECISION)
     hidden = (acc + tl.load(b1_ptr + hcols, mask=hcol_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
     tl.store(hidden_ptr + rows64[:, None] * H + hcols[None, :], hidden, mask=row_ok[:, None] & hcol_ok[None, :])
 
@@ -147,21 +161,17 @@ def _hidden_gemm(
 @triton.jit
 def _output_gemm(
     hidden_ptr, w2_ptr, b2_ptr, x_ptr, y_ptr, T, H, x_stride,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of y = x + (GELU(pre-activation) · W2ᵀ + b2): GELU runs on the A
-    operand as it loads, so its output never reaches HBM (BLOCK_N = D computes it once per element),
+    """BLOCK_M whole rows of y = x + (GELU(pre-activation) · W2ᵀ + b2): GELU runs on the A operand
+    as it loads, so its output never reaches HBM (all D columns in one program: once per element),
     and the residual is the epilogue's."""
     dtype = w2_ptr.dtype.element_ty
-    column_tiles: tl.constexpr = D // BLOCK_N
-    tile_m = tl.program_id(0) // column_tiles
-    tile_n = tl.program_id(0) % column_tiles
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    cols = tl.arange(0, D)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
@@ -229,21 +239,8 @@ def _hidden_grad_gemm(
     (dW2's operand) and dH's column sums (b1's gradient) from the same epilogue: the [T, H] product
     of the first GEMM never reaches HBM, and the saved pre-activation is read once."""
     dtype = w2_ptr.dtype.element_ty
-    column_tiles = tl.cdiv(H, BLOCK_N)
-    # The column tiles of one row tile run side by side, so its dY rows are read from L2, not HBM.
-    tile_m = tl.program_id(0) // column_tiles
-    tile_n = tl.program_id(0) % column_tiles
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
-    hcols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    hcol_ok = hcols < H
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        grad_out = tl.load(grad_out_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
-        w2 = tl.load(w2_ptr + ks[:, None] * H + hcols[None, :], mask=hcol_ok[None, :], other=0.0)
-        acc = tl.dot(grad_out, w2, acc, input_precision=DOT_PRECISION)
+    acc, tile_m, rows64, row_ok, hcols, hcol_ok = _hidden_width_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M,
+                                                                     BLOCK_N, BLOCK_K, DOT_PRECISION)
     # Loaded after the matmul, not before: held across it, it cost registers and ran slower on the H200.
     offs = rows64[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
@@ -440,17 +437,17 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
             (x, norm_weight, norm_bias, normed, mean, rstd, tokens, x.stride(0), eps),
             dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS))
     row_tiles = triton.cdiv(tokens, config.block_m)
-    gemm = _gemm_constexprs(constexprs, config.block_n, min(64, d_model))
+    gemm = _gemm_constexprs(constexprs, min(64, d_model), config.block_n)
     _launch(_hidden_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config,
             (normed, w1, b1, hidden, tokens, hidden_width), gemm)
-    # BLOCK_N = D: each program's rows see GELU once.
-    gemm = _gemm_constexprs(constexprs, d_model, block_h(hidden_width))
+    gemm = _gemm_constexprs(constexprs, block_h(hidden_width))
     _launch(_output_gemm, row_tiles, x.device, config, (hidden, w2, b2, x, y, tokens, hidden_width, x.stride(0)), gemm)
     return y, hidden, mean, rstd
 
 
-def _gemm_constexprs(constexprs: dict, block_n: int, block_k: int) -> dict:
-    return dict({k: v for k, v in constexprs.items() if k != "BLOCK_H"}, BLOCK_N=block_n, BLOCK_K=block_k)
+def _gemm_constexprs(constexprs: dict, block_k: int, block_n: int | None = None) -> dict:
+    gemm = {k: v for k, v in constexprs.items() if k != "BLOCK_H"} | {"BLOCK_K": block_k}
+    return gemm if block_n is None else gemm | {"BLOCK_N": block_n}
 
 
 def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
@@ -472,7 +469,7 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=x.device)
     if tokens:
         args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
-        constexprs = _gemm_constexprs(_constexprs(x, w1, config), config.block_n, min(64, d_model))
+        constexprs = _gemm_constexprs(_constexprs(x, w1, config), min(64, d_model), config.block_n)
         _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config, args,
                 constexprs)
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
