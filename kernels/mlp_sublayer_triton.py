@@ -310,9 +310,12 @@ def _layer_norm_bwd_tiles(
 
 
 # Rows a LayerNorm program takes at a time: its fp32 rows are D wide, so few rows keep them in
-# registers; the backward's programs take LAYER_NORM_BWD_CHUNKS such blocks, for fewer partial sums.
+# registers; the backward's programs take LAYER_NORM_BWD_CHUNKS such blocks, for fewer partial sums,
+# over 2 warps: 0.24 ms against 0.37 at 4 for the gemms plan's call at configs/gpu.yaml's shape, and
+# 0.17 against 0.16 for the TLX backward's (H200, benchmarks/results/mlp_sublayer_h200.md's probe).
 LAYER_NORM_ROWS = 16
 LAYER_NORM_BWD_CHUNKS = 8
+LAYER_NORM_BWD_WARPS = 2
 
 
 def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed=None):
@@ -325,7 +328,8 @@ def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bi
     if tokens:
         args = (grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, dx if normed is None else normed,
                 column_parts, tokens, x.stride(0), grad_y.stride(0))
-        _launch(_layer_norm_bwd_tiles, tiles, x.device, LaunchConfig(block_m=LAYER_NORM_ROWS), args,
+        config = LaunchConfig(block_m=LAYER_NORM_ROWS, num_warps=LAYER_NORM_BWD_WARPS)
+        _launch(_layer_norm_bwd_tiles, tiles, x.device, config, args,
                 dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS, CHUNKS=LAYER_NORM_BWD_CHUNKS, STORE_NORMED=normed is not None))
     return column_parts
 
