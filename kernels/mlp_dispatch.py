@@ -1,8 +1,10 @@
 """The fused MLP sublayer, `y = x + W2 · GELU(W1 · LayerNorm(x) + b1) + b2`: one entry point that
 validates once and routes by backend name, and the one factory that makes a kernel backend's ops.
 
-The sublayer is token-local, so a kernel runs it per tile of tokens: x is read once and y written
-once, and the 4·d hidden stays on chip but for one bf16 copy of the pre-activation (below).
+The sublayer is token-local, so a kernel can run it per tile of tokens, x read once and y written
+once, the 4·d hidden on chip but for one bf16 copy of the pre-activation (the Triton "tiles" plan and
+the TLX forward); the Triton "gemms" plan, the default, passes the hidden through HBM between GEMMs
+that carry the elementwise work, which ran faster on the H200 at d_model 256.
 Backends: `reference` (kernels/mlp_sublayer_reference.py, today's unfused PyTorch path), `triton`
 (kernels/mlp_sublayer_triton.py) and `tlx` (kernels/mlp_sublayer_tlx.py); whether a kernel backend
 can run on a device is the same question as for block attention's backend of that name.
@@ -13,10 +15,12 @@ What the kernels save for the backward, and why (per token, d = d_model, H = 4d 
   writing and 2H of reading, 2·d/2 = 256 FLOPs a byte at d = 256, above the H200's ridge
   (~125 FLOPs/byte at ~600 TFLOP/s and 4.8 TB/s): storing it is cheaper.
 - recomputed: LN(x) from x and the two statistics (x is read by the backward anyway), and
-  GELU(pre-activation) and its derivative (elementwise, free beside the matmuls).
-The backward is one token-tile kernel (dx, through LN's backward, and the hidden gradient) plus two
-weight-gradient GEMMs over all tokens (cuBLAS on a GPU); bias and LayerNorm-affine gradients come
-from per-tile partial sums added in a fixed order, so every gradient is bitwise repeatable.
+  GELU(pre-activation) and its derivative (elementwise; one erf for both, which bounds the backward's
+  epilogue on the H200).
+A backend's backward gives dx (through LN's backward), the hidden gradient, GELU's output and LN(x);
+the two weight-gradient GEMMs over all tokens run here (cuBLAS on a GPU); bias and LayerNorm-affine
+gradients come from per-tile partial sums added in a fixed order, so every gradient is bitwise
+repeatable.
 """
 
 import importlib

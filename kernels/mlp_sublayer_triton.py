@@ -1,9 +1,12 @@
-"""Plain-Triton fused MLP sublayer (forward + the backward's token-tile kernel); see mlp_dispatch.py.
+"""Plain-Triton fused MLP sublayer, in two plans per direction (LaunchConfig.plan); see mlp_dispatch.py.
 
 Invariants the kernels rely on:
-- A program owns BLOCK_M consecutive tokens (rows of x [T, D], D = d_model a power of two, 16..256)
-  and walks the hidden width H in BLOCK_H chunks (H a multiple of BLOCK_H): the [BLOCK_M, D] fp32
-  accumulator stays in registers and no hidden chunk leaves the chip but the saved pre-activation.
+- "tiles": a program owns BLOCK_M consecutive tokens (rows of x [T, D], D = d_model a power of two,
+  16..256) and walks the hidden width H in BLOCK_H chunks (H a multiple of BLOCK_H): the
+  [BLOCK_M, D] fp32 accumulator stays in registers and no hidden chunk leaves the chip but the saved
+  pre-activation (and, backward, the hidden gradient and GELU's output the weight GEMMs read).
+- "gemms": a program owns one [BLOCK_M, BLOCK_N] output tile of a GEMM over the hidden width (or
+  BLOCK_M whole rows of y), and the [T, H] activations go through HBM between the GEMMs.
 - Rows >= T load as zeros and are never stored; zero rows of grad_y add nothing to any partial sum.
 - LayerNorm and GELU run in fp32; the matmul operands are in the compute dtype (the weights' dtype,
   e.g. bf16 under autocast) with fp32 accumulation; x, y, dx keep x's dtype (fp32 under autocast).
@@ -174,11 +177,10 @@ def _output_gemm(
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < H
-        hidden = tl.load(hidden_ptr + rows64[:, None] * H + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                         other=0.0)
+        # BLOCK_K divides H (block_h): no column mask.
+        hidden = tl.load(hidden_ptr + rows64[:, None] * H + ks[None, :], mask=row_ok[:, None], other=0.0)
         activation = _gelu(hidden.to(tl.float32)).to(dtype)
-        w2 = tl.load(w2_ptr + cols[None, :] * H + ks[:, None], mask=k_ok[:, None], other=0.0)  # W2ᵀ [K, N]
+        w2 = tl.load(w2_ptr + cols[None, :] * H + ks[:, None])  # W2ᵀ [K, N]
         acc = tl.dot(activation, w2, acc, input_precision=DOT_PRECISION)
     # The second linear's output is rounded to the compute dtype before the residual, as nn.Linear's is.
     out = (acc + tl.load(b2_ptr + cols).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
