@@ -41,7 +41,7 @@ from data.batch import Batch
 from data.datamodule import CTRDataModule
 from data.schema import FeatureSchema
 from models import RankingModel, RankingModelConfig
-from models.baselines import BASELINE_ARCHS, BaselineConfig, BaselineModel
+from models.baselines import ARCHS, BLOCK_ATTENTION, BaselineConfig, BaselineModel
 from models.flops import sample_token_counts, train_step_flops
 from models import memory
 from training.callbacks import CheckpointConfig, LastCheckpoint, RunProgressBar, StepMetrics, continue_metrics
@@ -49,8 +49,6 @@ from training.pipeline import PipelinedTrainingStep
 from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
-BLOCK_ATTENTION = "block_attention"
-ARCHS = (BLOCK_ATTENTION, *BASELINE_ARCHS)
 
 
 @dataclass

@@ -5,7 +5,13 @@ numbers on the same protocol.
 Tuning, per protocol (the recorded commands are in benchmarks/results/quality_ml1m.md):
 
     python -m benchmarks.quality tune --protocol recbole_ml1m_context --attn reference --steps 1160 --seeds 3 \
-        --jobs 1 --out runs/tune_ml1m [--models block_attention lr ...] [--grid KEY=V1,V2 ...] [--key=value ...]
+        --jobs 1 --out runs/tune_ml1m [--models block_attention lr ...] [--grid KEY=V1,V2 ...] \
+        [--size KEY=V,KEY=V --size ...] [--key=value ...]
+
+  0. With --size (two or more), block_attention's size is chosen first, by the rule of 2., among those
+     candidates at its config's other settings (OUT/sizes/block_attention/, trained beside the baselines'
+     trials): the baselines' sizes come from RecBole's own searches, ours has no published size. Those
+     trials are counted and reported apart from the grid's.
 
   1. Every model gets the same grid (GRID below, or the --grid lines; one point = one trial), so every
      model has the same tuning budget. Each trial is one run (seed 0) of --steps steps: a comparison
@@ -48,10 +54,9 @@ import yaml
 
 from benchmarks.compare.report import Run, build_report, load_comparison
 from benchmarks.compare.run import (
-    COMPARABLE_BACKENDS, REPO, CompareError, Settings, check_out_folder, finished_ok, launch_run, parse_compare_args,
-    run_name, train_args,
+    COMPARABLE_BACKENDS, CompareError, Settings, check_out_folder, parse_compare_args, run_name, train_runs,
 )
-from train import ARCHS, BLOCK_ATTENTION
+from models.baselines import ARCHS, BLOCK_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -162,30 +167,6 @@ def open_comparison(settings: Settings) -> None:
     (settings.out / "settings.json").write_text(json.dumps(settings.to_json(), indent=1) + "\n")
 
 
-def train_runs(comparisons: list[Settings], jobs: int) -> None:
-    """Trains the runs of these comparisons that have not finished, `jobs` at a time (the first alone:
-    it prepares the data cache the others read). Each run is the `python train.py` of the comparison."""
-    pending = [(settings, label, seed) for settings in comparisons for seed in settings.seeds
-               for label in settings.labels if not finished_ok(settings.out / "runs" / run_name(label, seed))]
-
-    def train(job: tuple[Settings, str, int]) -> None:
-        settings, label, seed = job
-        backend = settings.labels[label]
-        config = [*settings.config_files, *settings.variant_configs.get(label, [])]
-        command = [sys.executable, str(REPO / "train.py"),
-                   *train_args(config, settings.passthrough, backend, seed, settings.steps, settings.out, label)]
-        run_dir = settings.out / "runs" / run_name(label, seed)
-        record = launch_run(command, run_dir, {"label": label, "backend": backend, "seed": seed})
-        outcome = "ok" if record["returncode"] == 0 else f"FAILED with exit code {record['returncode']}"
-        print(f"{run_dir.relative_to(settings.out.parent)}: {outcome} in {record['wall_s']:.0f} s", flush=True)
-
-    print(f"training {len(pending)} runs, {jobs} at a time", flush=True)
-    for job in pending[:1]:
-        train(job)
-    with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(train, pending[1:]))
-
-
 def trial_score(run: Run) -> dict | None:
     """A finished trial's validation at the checkpoint train.py tested (lowest val/ne, the first on a
     tie, as its ModelCheckpoint keeps); None if it failed or never validated."""
@@ -205,40 +186,55 @@ def select(trials: list[dict]) -> dict:
 
 
 def tune(protocol_name: str, attn: str, models: list[str], grid: dict[str, tuple], steps: int, seeds: int,
-         jobs: int, extra: list[str], out: Path) -> dict:
+         jobs: int, extra: list[str], out: Path, sizes: list[dict] = ()) -> dict:
     """Runs the grid for every model, chooses by validation, writes out/tuning.json (the grid, every
-    trial's score, the choices), then trains the choices for `seeds` seeds; returns tuning.json's content."""
+    trial's score, the choices), then trains the choices for `seeds` seeds; returns tuning.json's content.
+    With `sizes`, block_attention's size is chosen first among them (at its config's other settings,
+    beside the baselines' trials), and its grid runs at that size."""
     protocol = PROTOCOLS[protocol_name]
     points = grid_points(grid)
-    labels = [point_label(point) for point in points]
     models = [BLOCK_ATTENTION, *(m for m in models if m != BLOCK_ATTENTION)]
 
-    def trial_settings(model: str) -> Settings:
-        groups = {label: (model, point) for label, point in zip(labels, points)}
-        return parse_compare_args(comparison_argv(protocol, attn, groups, extra, steps, 1, out / "trials" / model),
+    def trial_comparison(job: tuple[str, list[dict], Path]) -> Settings:
+        model, candidates, folder = job
+        groups = {point_label(point): (model, point) for point in candidates}
+        return parse_compare_args(comparison_argv(protocol, attn, groups, extra, steps, 1, folder),
                                   "python train.py compare")
 
-    with ThreadPoolExecutor(jobs) as pool:  # each resolves its configs with train.py --dry_run
-        trials = dict(zip(models, pool.map(trial_settings, models)))
-    for settings in trials.values():
-        open_comparison(settings)
-    train_runs(list(trials.values()), jobs)
+    def train_trials(jobs_: list[tuple[str, list[dict], Path]]) -> dict[str, tuple[Settings, list[dict]]]:
+        with ThreadPoolExecutor(jobs) as pool:  # each resolves its configs with train.py --dry_run
+            comparisons = list(pool.map(trial_comparison, jobs_))
+        for settings in comparisons:
+            open_comparison(settings)
+        train_runs(comparisons, jobs)
+        return {model: (settings, candidates) for (model, candidates, _), settings in zip(jobs_, comparisons)}
 
+    def choose(model: str, settings: Settings, candidates: list[dict]) -> dict:
+        runs = {r.label: r for r in load_comparison(settings.out).runs}
+        # The comparison names its own group (the first candidate) after the backend.
+        groups = [attn, *(point_label(point) for point in candidates[1:])]
+        trials = [{"model": model, "setting": point, "group": group, "score": trial_score(runs[group])}
+                  for group, point in zip(groups, candidates)]
+        chosen = select(trials)
+        return {"chosen": chosen["setting"], "chosen_val_auc": chosen["score"]["val_auc"],
+                "chosen_run": str(settings.out / "runs" / run_name(chosen["group"], TRIAL_SEED)),
+                "trials": [{"setting": t["setting"], **(t["score"] or {"status": "failed or never validated"})}
+                           for t in trials]}
+
+    first = [(model, points, out / "trials" / model) for model in models if not (sizes and model == BLOCK_ATTENTION)]
+    if sizes:
+        first.insert(0, (BLOCK_ATTENTION, list(sizes), out / "sizes" / BLOCK_ATTENTION))
+    trials = train_trials(first)
     result = {"protocol": protocol_name, "grid": {key: list(values) for key, values in grid.items()},
               "trials_per_model": len(points), "steps": steps, "seeds": seeds, "trial_seed": TRIAL_SEED,
               "selection": SELECTION, "models": {}}
-    for model, settings in trials.items():
-        runs = {r.label: r for r in load_comparison(settings.out).runs}
-        groups = [attn, *labels[1:]]  # the comparison names its own group (the first point) after the backend
-        model_trials = [{"model": model, "setting": point, "group": group, "score": trial_score(runs[group])}
-                        for group, point in zip(groups, points)]
-        chosen = select(model_trials)
-        result["models"][model] = {
-            "chosen": chosen["setting"], "chosen_val_auc": chosen["score"]["val_auc"],
-            "chosen_run": str(settings.out / "runs" / run_name(chosen["group"], TRIAL_SEED)),
-            "trials": [{"setting": t["setting"], **(t["score"] or {"status": "failed or never validated"})}
-                       for t in model_trials],
-        }
+    if sizes:
+        size = choose(BLOCK_ATTENTION, *trials[BLOCK_ATTENTION])
+        result["size_stage"] = {"model": BLOCK_ATTENTION, "candidates": list(sizes), **size}
+        trials.update(train_trials([(BLOCK_ATTENTION, [{**size["chosen"], **point} for point in points],
+                                     out / "trials" / BLOCK_ATTENTION)]))
+    for model in models:
+        result["models"][model] = choose(model, *trials[model])
 
     (out / "tuning.json").write_text(json.dumps(result, indent=1) + "\n")  # the choices, before the seeds train
 
@@ -280,7 +276,8 @@ def protocol_entry(folder: Path) -> dict:
     missing = [r for r in report["runs"] if r["status"] != "ok"]
     return {
         "models": models,
-        **({"tuning": {key: tuning[key] for key in ("grid", "trials_per_model", "steps", "trial_seed", "selection")}}
+        **({"tuning": {key: tuning[key] for key in ("grid", "trials_per_model", "steps", "trial_seed", "selection",
+                                                    "size_stage") if key in tuning}}
            if tuning else {}),
         "command": report["command"],
         "config": {"files": report["config"]["files"], "passthrough": report["config"]["passthrough"],
@@ -314,6 +311,10 @@ def _cell(entry: dict) -> str:
     return f"{entry['mean']:.4f} ± {entry['std']:.4f}"
 
 
+def _setting(point: dict) -> str:
+    return ", ".join(f"{key.rsplit('.', 1)[-1]} {value}" for key, value in point.items())
+
+
 def _anchor_cell(model: str, metrics: dict, published: dict) -> str:
     """RecBole's test AUC for the same model, and ours minus it."""
     anchor = published.get(RECBOLE_NAME.get(model, ""))
@@ -343,6 +344,13 @@ def render(result: dict, notes: str = "") -> str:
             lines += [f"Tuned alike: {tuning['trials_per_model']} trials per model ({grid}), each "
                       f"{tuning['steps']} steps at seed {tuning['trial_seed']}; chosen by {tuning['selection']}. "
                       f"Seed {tuning['trial_seed']} below is the chosen trial's run.", ""]
+            if "size_stage" in tuning:
+                stage = tuning["size_stage"]
+                sizes = "; ".join(f"{_setting(t['setting'])}: " + (f"{t['val_auc']:.4f}" if "val_auc" in t else t["status"])
+                                  for t in stage["trials"])
+                lines += [f"Before its grid, {stage['model']}'s size was chosen the same way among "
+                          f"{len(stage['candidates'])} candidates at its config's other settings ({len(stage['candidates'])} "
+                          f"more trials; validation AUC: {sizes}).", ""]
         chosen_column = ("| chosen (validation AUC) ", "|---") if tuning else ("", "")
         lines += [f"| model | test AUC | test log loss | per seed AUC {chosen_column[0]}| RecBole test AUC (ours minus it) |",
                   f"|---|---|---|---{chosen_column[1]}|---|"]
@@ -350,8 +358,7 @@ def render(result: dict, notes: str = "") -> str:
             per_seed = ", ".join(f"{v:.4f}" for v in metrics["test_auc"]["per_seed"])
             chosen = ""
             if tuning:
-                setting = ", ".join(f"{key.rsplit('.', 1)[-1]} {value}" for key, value in metrics["chosen"].items())
-                chosen = f"| {setting} ({metrics['chosen_val_auc']:.4f}) "
+                chosen = f"| {_setting(metrics['chosen'])} ({metrics['chosen_val_auc']:.4f}) "
             lines.append(f"| {model} | {_cell(metrics['test_auc'])} | {_cell(metrics['test_logloss'])} | {per_seed} "
                          f"{chosen}| {_anchor_cell(model, metrics, published)} |")
         if entry["runs_not_ok"]:
@@ -392,6 +399,19 @@ def parse_grid(lines: list[str]) -> dict[str, tuple]:
     return grid or GRID
 
 
+def parse_sizes(lines: list[str]) -> list[dict]:
+    """--size KEY=V,KEY=V lines (values read as YAML scalars): none, or two or more candidates."""
+    sizes = []
+    for line in lines:
+        items = [item.partition("=") for item in line.split(",")]
+        if any(not key or not sep or not value for key, sep, value in items):
+            raise CompareError(f"--size {line!r}: give KEY=VALUE items separated by commas")
+        sizes.append({key.removeprefix("--"): yaml.safe_load(value) for key, _, value in items})
+    if len(sizes) == 1:
+        raise CompareError(f"--size {lines[0]!r}: one candidate; give two or more, or none")
+    return sizes
+
+
 def tune_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quality tune", allow_abbrev=False,
                                      description="Tune every model on the same grid, choose by validation AUC, "
@@ -402,6 +422,9 @@ def tune_main(argv: list[str]) -> int:
                         help=f"block_attention and one or more baselines (default: {' '.join(ARCHS)})")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                         help=f"a train.py key and its values, the same for every model (default: {GRID})")
+    parser.add_argument("--size", action="append", default=[], metavar="KEY=V,KEY=V",
+                        help=f"one candidate size of {BLOCK_ATTENTION} (e.g. model.net.d_model=128,model.net.num_heads=2); "
+                        "given two or more, its size is chosen first among them, then its grid runs at that size")
     parser.add_argument("--steps", required=True, type=int, help="training steps of every run")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of each chosen setting (default 3)")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at the same time (default 1)")
@@ -413,7 +436,7 @@ def tune_main(argv: list[str]) -> int:
         parser.error(f"--steps, --seeds and --jobs must be >= 1, got {args.steps}, {args.seeds}, {args.jobs}")
     try:
         tune(args.protocol, args.attn, args.models, parse_grid(args.grid), args.steps, args.seeds, args.jobs, extra,
-             args.out.resolve())
+             args.out.resolve(), parse_sizes(args.size))
         not_ok = [f"{r.label} seed {r.seed}: {r.status}" for r in load_comparison(args.out / "final").runs
                   if r.status != "ok"]
     except CompareError as error:

@@ -43,6 +43,8 @@ from data.schema import FeatureSchema
 from models.ranking import RankingModel
 
 BASELINE_ARCHS = ("lr", "dlrm", "dcnv2", "deepfm")
+BLOCK_ATTENTION = "block_attention"  # models/ranking.py's RankingModel, sized by the task's `net` config
+ARCHS = (BLOCK_ATTENTION, *BASELINE_ARCHS)
 # A first-order weight is the sum of a row this wide: fbgemm's table kernels (sharded tables) need a
 # multiple of 4 columns, and a sum of 4 weights per id is still one weight per id.
 LINEAR_WIDTH = 4

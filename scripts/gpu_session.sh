@@ -77,7 +77,7 @@ for s in "$@"; do
       tar czf "$OUT"/compare_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp compare_h200 2>/dev/null
       summary+=("compare_wait: $(pgrep -f 'train.py compare' > /dev/null && echo still running || echo finished) :: $(grep -E '^\[' /tmp/compare_h200.log | tail -2 | tr '\n' ' ')") ;;
     quality_start)  # QUALITY_PROTOCOLS (default recbole_ml1m_context) tuned one after another, QUALITY_JOBS runs at a
-      # time; a tuning cut short in an earlier session resumes from its quality_runs.tgz carried as .gpu/quality_runs.tgz
+      # time, QUALITY_ARGS more tune arguments (e.g. --size candidates); a tuning cut short in an earlier session resumes from its quality_runs.tgz carried as .gpu/quality_runs.tgz
       mkdir -p /tmp/data_cache
       pack=$(ls /tmp/ml1m_raw.tar.xz .gpu-data/ml1m_raw.tar.xz 2>/dev/null | head -1)
       [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache
@@ -88,7 +88,8 @@ for s in "$@"; do
         # 1160 steps = 8 epochs of RecBole's protocol (batch 4096); two dataloader workers a run, as runs share the host.
         setsid nohup bash -c 'for protocol in ${QUALITY_PROTOCOLS:-recbole_ml1m_context}; do
             python3 -m benchmarks.quality tune --protocol $protocol --attn ${QUALITY_ATTN:-tlx} --steps ${QUALITY_STEPS:-1160} \
-              --seeds 3 --jobs ${QUALITY_JOBS:-4} --out /tmp/quality/$protocol --data.data_dir=/tmp/data_cache --data.num_workers=2
+              --seeds 3 --jobs ${QUALITY_JOBS:-4} --out /tmp/quality/$protocol --data.data_dir=/tmp/data_cache --data.num_workers=2 \
+              ${QUALITY_ARGS:-}
           done' > /tmp/quality.log 2>&1 < /dev/null &
         summary+=("quality_start: started, log /tmp/quality.log")
       fi ;;

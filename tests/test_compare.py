@@ -256,12 +256,14 @@ def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path):
     args = ["--attn", "reference", "--variant", "lr", "reference", "configs/lr.yaml", "--config", "configs/tiny.yaml",
             "--steps", "10", "--seeds", "2", "--trainer.val_check_interval=5", "--data.dataset=movielens1m",
             "--data.protocol=recbole_context", "--data.num_train=0", "--data.num_val=0", "--data.batch_size=16",
-            "--out", str(out), f"--data.data_dir={tmp_path / 'cache'}"]  # fmt: skip
+            "--jobs", "2", "--out", str(out), f"--data.data_dir={tmp_path / 'cache'}"]  # fmt: skip
     result = subprocess.run([sys.executable, "-m", "benchmarks.compare", *args], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode in (0, 1), result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "compare.json").read_text())
     assert sorted(report["test_metrics"]) == ["lr", "reference"]
+    # --jobs 2: the first run alone (it prepares the data), then the other three two at a time.
+    assert result.stdout.count(" ok in ") == 4 and result.stdout.index("[1/4]") < result.stdout.index("[2/4]")
     for label, metrics in report["test_metrics"].items():
         scores = [json.loads((out / "runs" / f"{label}-seed{seed}" / "version_0" / "test.json").read_text())
                   for seed in (0, 1)]  # fmt: skip
@@ -310,6 +312,7 @@ def test_variant_key_value_overrides_follow_the_passthrough_keys():
     [
         (["--attn", "bogus", "reference"], "invalid choice: 'bogus'"),
         (["--attn", "reference"], "at least two groups of runs"),
+        (["--attn", "reference", "reference", "--jobs", "0"], "--jobs and --steps must be >= 1"),
         (["--attn", "tlx", "reference", "--config", "configs/tiny.yaml"], "'tlx' cannot run here"),
         (["--attn", "reference", "reference", "--seed_everything=3"], "sets --seed_everything itself"),
         (["--attn", "reference", "reference", "--model.net.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),

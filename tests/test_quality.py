@@ -17,11 +17,11 @@ MODELS = ["block_attention", "lr"]
 TINY_GRID = ["--grid", "model.optim.lr=0.002,0.05"]
 
 
-def run_tune(out: Path, cache: Path, seeds: int) -> subprocess.CompletedProcess:
+def run_tune(out: Path, cache: Path, seeds: int, *more: str) -> subprocess.CompletedProcess:
     # The tiny ML-1M fixture under RecBole's protocol: about 10 validation and 10 test rows.
     args = ["tune", "--protocol", "recbole_ml1m_context", "--attn", "reference", "--models", *MODELS, *TINY_GRID,
             "--steps", "12", "--seeds", str(seeds), "--out", str(out), f"--data.data_dir={cache}",
-            "--data.batch_size=16", "--trainer.val_check_interval=5", "--model.net.d_model=32"]
+            "--data.batch_size=16", "--trainer.val_check_interval=5", "--model.net.d_model=32", *more]
     return subprocess.run([sys.executable, "-m", "benchmarks.quality", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
 
@@ -36,10 +36,10 @@ def validation_choice(trial_runs: list[Path]) -> int:
     return max(range(len(scores)), key=lambda i: (scores[i], -i))
 
 
-def trial_folders(out: Path, model: str) -> list[Path]:
+def trial_folders(out: Path, model: str, groups: tuple[str, ...] = ("reference", "lr0.05"), stage: str = "trials"
+                  ) -> list[Path]:
     """The model's trial runs in grid order (the first group is named after the backend)."""
-    groups = ["reference", "lr0.05"]
-    runs = [out / "trials" / model / "runs" / f"{group}-seed0" for group in groups]
+    runs = [out / stage / model / "runs" / f"{group}-seed0" for group in groups]
     return [run / json.loads((run / "run.json").read_text())["version"] for run in runs]
 
 
@@ -102,6 +102,30 @@ def test_the_choice_does_not_move_when_the_test_scores_say_otherwise(tuned, tmp_
         assert after["models"][model]["trials"] == before["models"][model]["trials"]
 
 
+def test_block_attentions_size_is_chosen_first_and_its_grid_runs_at_that_size(tmp_path):
+    shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "cache" / "raw" / "ml-1m")
+    out = tmp_path / "out"
+    result = run_tune(out, tmp_path / "cache", 1, "--size", "model.net.num_layers=1",
+                      "--size", "model.net.num_layers=2,model.net.num_heads=2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    tuning = json.loads((out / "tuning.json").read_text())
+    sizes = [{"model.net.num_layers": 1}, {"model.net.num_layers": 2, "model.net.num_heads": 2}]
+    stage = tuning["size_stage"]
+    assert stage["candidates"] == sizes and [t["setting"] for t in stage["trials"]] == sizes
+    size = sizes[validation_choice(trial_folders(out, "block_attention", ("reference", "num_layers2_num_heads2"),
+                                                 stage="sizes"))]
+    assert stage["chosen"] == size
+    # Its grid ran at the chosen size; the baseline's grid has no size keys.
+    entry = tuning["models"]["block_attention"]
+    assert [t["setting"] for t in entry["trials"]] == [{**size, "model.optim.lr": lr} for lr in (0.002, 0.05)]
+    assert [t["setting"] for t in tuning["models"]["lr"]["trials"]] == [{"model.optim.lr": lr} for lr in (0.002, 0.05)]
+    final = out / "final" / "runs" / "reference-seed0"
+    config = (final / json.loads((final / "run.json").read_text())["version"] / "config.yaml").read_text()
+    assert f"num_layers: {size['model.net.num_layers']}" in config
+    assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--out", str(tmp_path / "quality")]) == 0
+    assert "block_attention's size was chosen the same way among 2 candidates" in (tmp_path / "quality.md").read_text()
+
+
 def test_a_tie_goes_to_the_earlier_point_and_a_failed_trial_is_skipped():
     trials = [{"model": "m", "score": None}, {"model": "m", "score": {"val_auc": 0.7}},
               {"model": "m", "score": {"val_auc": 0.7}}, {"model": "m", "score": {"val_auc": 0.6}}]
@@ -118,6 +142,8 @@ def test_the_default_grid_gives_every_model_six_trials():
     (["--grid", "model.optim.lr"], "--grid 'model.optim.lr': give KEY=V1,V2"),
     (["--grid", "model.optim.lr=0.01"], "one point; a tuning needs at least two"),
     (["--seeds", "0"], "must be >= 1"),
+    (["--size", "model.net.num_layers=1"], "one candidate; give two or more"),
+    (["--size", "model.net.num_layers", "--size", "model.net.num_layers=2"], "give KEY=VALUE items"),
 ])  # fmt: skip
 def test_bad_tune_arguments_give_a_clear_error(args, message, tmp_path, capsys):
     argv = ["tune", "--protocol", "recbole_ml1m_context", "--attn", "reference", "--steps", "2",

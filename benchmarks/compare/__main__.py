@@ -16,7 +16,8 @@ the run-to-run noise that backend differences are judged against. A --variant ad
 runs of one backend with more config files or KEY=VALUE keys (sharded tables, the unfused MLP), judged
 against the same baseline.
 Other `--key=value` arguments go to every run. A run that crashes is reported with its exit code and
-the end of its stderr; the other runs are kept. Rerunning the same command reuses the finished runs in --out and retries the
+the end of its stderr; the other runs are kept. `--jobs N` trains N runs at a time (for scores and
+losses, e.g. architectures side by side; their step times then share the device and do not compare). Rerunning the same command reuses the finished runs in --out and retries the
 rest; a different config in the same --out is refused.
 
 The --out folder:

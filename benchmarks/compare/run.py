@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import yaml
 import kernels
 from benchmarks.bench_attention import device_name, versions
 from kernels.testing import parity
+from models.baselines import BLOCK_ATTENTION
 
 REPO = Path(__file__).resolve().parents[2]
 COMPARABLE_BACKENDS = tuple(name for name in kernels.BACKENDS if name != "auto")
@@ -50,6 +52,7 @@ class Settings:
     versions: dict
     date: str
     command: str
+    jobs: int = 1  # runs trained at a time; not part of what a resumed comparison must match
 
     def to_json(self) -> dict:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -94,8 +97,12 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def comparable_config(config: dict) -> dict:
-    """A run's resolved config without the keys the comparison sets per run, flattened to dotted keys."""
-    return {k: v for k, v in _flatten(config).items() if k not in PER_RUN_KEYS and k != "config"}
+    """A run's resolved config without the keys the comparison sets per run, flattened to dotted keys.
+    Only the trained architecture's sizes count: a baseline never reads model.net, block attention
+    never reads model.baseline (so one group's sizes, passed to every run, do not set the others apart)."""
+    flat = _flatten(config)
+    unused = "model.baseline." if flat.get("model.arch", BLOCK_ATTENTION) == BLOCK_ATTENTION else "model.net."
+    return {k: v for k, v in flat.items() if k not in PER_RUN_KEYS and k != "config" and not k.startswith(unused)}
 
 
 def config_differences(ours: dict, theirs: dict, ours_name: str, theirs_name: str) -> list[str]:
@@ -186,12 +193,16 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
     parser.add_argument("--steps", type=int, help="training steps per run (default: the config's trainer.max_steps)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every backend (default 3)")
     parser.add_argument("--out", required=True, type=Path, help="output folder")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at a time (default 1); runs sharing a device slow each other, so only "
+                        "their losses and scores compare, not their step times")
     args, passthrough = parser.parse_known_args(argv)
     if len(args.attn) + len(args.variant) < 2:
         parser.error("--attn and --variant need at least two groups of runs between them "
                      "(name one backend twice to compare it with itself)")
-    if args.seeds < 1 or (args.steps is not None and args.steps < 1):
-        parser.error(f"--seeds and --steps must be >= 1, got --seeds {args.seeds} --steps {args.steps}")
+    if args.seeds < 1 or args.jobs < 1 or (args.steps is not None and args.steps < 1):
+        parser.error(f"--seeds, --jobs and --steps must be >= 1, got --seeds {args.seeds} --jobs {args.jobs} "
+                     f"--steps {args.steps}")
     if passthrough and not passthrough[0].startswith("--"):
         parser.error(f"unexpected argument {passthrough[0]!r}; extra arguments must be --key=value train.py keys")
     for arg in passthrough:
@@ -235,7 +246,7 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
         kernel_dtype=str(kernel_dtype(config["trainer"]["precision"])).removeprefix("torch."),
         resolved_config=comparable_config(config),
         versions=versions(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=f"{prog} {shlex.join(argv)}",
+        command=f"{prog} {shlex.join(argv)}", jobs=args.jobs,
     )
 
 
@@ -309,22 +320,38 @@ def run_comparison(settings: Settings) -> None:
                             "outputs": result.outputs}
     (out / "kernel_parity.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
 
-    total = len(settings.seeds) * len(settings.labels)
-    done = 0
-    for seed in settings.seeds:  # seed-major: an interrupted comparison still has every backend at seed 0
-        for label, backend in settings.labels.items():
-            done += 1
-            run_dir = out / "runs" / run_name(label, seed)
-            prefix = f"[{done}/{total}] {label} seed {seed}:"
-            if finished_ok(run_dir):
-                print(f"{prefix} reusing the finished run in {run_dir}", flush=True)
-                continue
-            print(f"{prefix} training (log: {run_dir}/stderr.log)", flush=True)
-            command = [
-                sys.executable, str(REPO / "train.py"),
-                *train_args([*settings.config_files, *settings.variant_configs.get(label, [])], settings.passthrough,
-                            backend, seed, settings.steps, out, label),
-            ]
-            record = launch_run(command, run_dir, {"label": label, "backend": backend, "seed": seed})
-            outcome = "ok" if record["returncode"] == 0 else f"FAILED with exit code {record['returncode']}"
-            print(f"{prefix} {outcome} in {record['wall_s']:.0f} s", flush=True)
+    train_runs([settings], settings.jobs)
+
+
+def train_runs(comparisons: list[Settings], jobs: int) -> None:
+    """Trains every (label, seed) run of these comparisons, seed-major (a comparison cut short still has
+    every label at seed 0), `jobs` at a time; the first runs alone, since it prepares the data cache
+    the others read. A finished run is reused, so a rerun resumes."""
+    runs = [(settings, label, seed) for settings in comparisons for seed in settings.seeds for label in settings.labels]
+    pending = []
+    for number, (settings, label, seed) in enumerate(runs, start=1):
+        run_dir = settings.out / "runs" / run_name(label, seed)
+        prefix = f"[{number}/{len(runs)}] {run_dir.relative_to(settings.out.parent)}:"
+        if finished_ok(run_dir):
+            print(f"{prefix} reusing the finished run", flush=True)
+        else:
+            pending.append((prefix, run_dir, settings, label, seed))
+
+    def train(job: tuple[str, Path, Settings, str, int]) -> None:
+        prefix, run_dir, settings, label, seed = job
+        print(f"{prefix} training (log: {run_dir}/stderr.log)", flush=True)
+        backend = settings.labels[label]
+        command = [
+            sys.executable, str(REPO / "train.py"),
+            *train_args([*settings.config_files, *settings.variant_configs.get(label, [])], settings.passthrough,
+                        backend, seed, settings.steps, settings.out, label),
+        ]
+        record = launch_run(command, run_dir, {"label": label, "backend": backend, "seed": seed})
+        outcome = "ok" if record["returncode"] == 0 else f"FAILED with exit code {record['returncode']}"
+        print(f"{prefix} {outcome} in {record['wall_s']:.0f} s", flush=True)
+
+    print(f"training {len(pending)} runs, {jobs} at a time", flush=True)
+    for job in pending[:1]:
+        train(job)
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(train, pending[1:]))
