@@ -30,7 +30,7 @@ issue #1255) and UVM kernels. torchrec plans row_wise for EmbeddingBagCollection
 sharder allows it on CPU too, where the tests check it against one process.
 """
 
-from .checkpoint import checkpoint_metadata, checkpoint_state, load_checkpoint, load_unsharded, save_checkpoint
+from .checkpoint import RENAMED_PREFIXES, checkpoint_metadata, checkpoint_state, load_checkpoint, load_unsharded, save_checkpoint
 from .config import ShardingConfig, SparseOptimizerConfig
 from .plan import TableInfo, column_wise_shard_dim, embedding_tables, plan_sharding, resolve_sharding_types
 from .shard import (
@@ -45,6 +45,7 @@ from .shard import (
 )
 
 __all__ = [
+    "RENAMED_PREFIXES",
     "ShardingConfig",
     "SparseOptimizerConfig",
     "TableInfo",
