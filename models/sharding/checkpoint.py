@@ -42,10 +42,8 @@ def _named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -
     }
 
 
-# {prefix now: prefix in older checkpoints}. RankingTask (train.py) held its network as `model` until
-# 2026-12-04 and holds it as `net` since, so checkpoints saved before name its tensors "model.<name>"
-# where the task now has "net.<name>": load_checkpoint reads DCP folders, RankingTask.on_load_checkpoint
-# Lightning .ckpt files, through this one mapping.
+# {prefix now: prefix in older checkpoints}, for load_checkpoint and RankingTask.on_load_checkpoint (.ckpt
+# files): RankingTask (train.py) held its network as `model` until 2026-12-04, as `net` since.
 RENAMED_PREFIXES = {"net.": "model."}
 
 
