@@ -112,11 +112,11 @@ class RankingTask(L.LightningModule):
         self.val_auc = BinaryAUROC()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # Checkpoints written before the network was named `net` hold its weights under "model.".
         state = checkpoint.get("state_dict")
-        if state and not any(key.startswith("net.") for key in state):
-            checkpoint["state_dict"] = {f"net.{key.removeprefix('model.')}" if key.startswith("model.") else key: value
-                                        for key, value in state.items()}
+        for new, old in sharding.RENAMED_PREFIXES.items():  # a checkpoint from before a rename
+            if state and not any(key.startswith(new) for key in state):
+                checkpoint["state_dict"] = state = {new + key.removeprefix(old) if key.startswith(old) else key: value
+                                                    for key, value in state.items()}
 
     def step_flops(self, batch: Batch) -> tuple[int, int]:
         """(tokens, training FLOPs) of a batch, from its host-side lengths: no device read."""

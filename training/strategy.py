@@ -20,11 +20,11 @@ from torchmetrics import Metric
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from models.sharding import (
     ShardingConfig,
     SparseOptimizerConfig,
-    is_fused_parameter,
     load_checkpoint,
     save_checkpoint,
     shard_model,
@@ -168,7 +168,7 @@ class TorchrecStrategy(DDPStrategy):
         removed = 0
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
-                kept = [p for p in group["params"] if not is_fused_parameter(p)]
+                kept = [p for _, p in in_backward_optimizer_filter(enumerate(group["params"]))]  # (index, param) pairs
                 removed += len(group["params"]) - len(kept)
                 group["params"] = kept
         if removed:

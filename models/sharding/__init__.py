@@ -30,7 +30,7 @@ issue #1255) and UVM kernels. torchrec plans row_wise for EmbeddingBagCollection
 sharder allows it on CPU too, where the tests check it against one process.
 """
 
-from .checkpoint import checkpoint_metadata, checkpoint_state, load_checkpoint, load_unsharded, save_checkpoint
+from .checkpoint import RENAMED_PREFIXES, checkpoint_metadata, checkpoint_state, load_checkpoint, load_unsharded, save_checkpoint
 from .config import ShardingConfig, SparseOptimizerConfig
 from .plan import TableInfo, column_wise_shard_dim, embedding_tables, plan_sharding, resolve_sharding_types
 from .shard import (
@@ -38,13 +38,13 @@ from .shard import (
     dense_named_parameters,
     dense_parameters,
     embedding_parameter_ids,
-    is_fused_parameter,
     load_full_tables,
     shard_model,
     sparse_optimizer,
 )
 
 __all__ = [
+    "RENAMED_PREFIXES",
     "ShardingConfig",
     "SparseOptimizerConfig",
     "TableInfo",
@@ -56,7 +56,6 @@ __all__ = [
     "dense_parameters",
     "embedding_parameter_ids",
     "embedding_tables",
-    "is_fused_parameter",
     "load_checkpoint",
     "load_full_tables",
     "load_unsharded",

@@ -42,17 +42,17 @@ def _named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -
     }
 
 
-# RankingTask (train.py) held its network as `model` until 2026-12-04 and holds it as `net` since, so
-# folders saved before name its tensors "model.<name>" where the task now has "net.<name>".
-_RENAMED_PREFIXES = {"net.": "model."}
+# {prefix now: prefix in older checkpoints}, for load_checkpoint and RankingTask.on_load_checkpoint (.ckpt
+# files): RankingTask (train.py) held its network as `model` until 2026-12-04, as `net` since.
+RENAMED_PREFIXES = {"net.": "model."}
 
 
 def _saved_names(state: Mapping[str, Any], available: set[str]) -> dict[str, str]:
     """{name in this model: name in the checkpoint} for the parameters and buffers whose prefix was
-    renamed since the checkpoint was saved (see _RENAMED_PREFIXES); empty for a current checkpoint."""
+    renamed since the checkpoint was saved (see RENAMED_PREFIXES); empty for a current checkpoint."""
     renames = {}
     for name in state["model"]:
-        for new, old in _RENAMED_PREFIXES.items():
+        for new, old in RENAMED_PREFIXES.items():
             if name.startswith(new) and f"model.{name}" not in available and f"model.{old}{name[len(new):]}" in available:
                 renames[name] = old + name[len(new):]
     return renames

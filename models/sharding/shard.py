@@ -51,8 +51,8 @@ from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import CombinedOptimizer
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from .config import ShardingConfig
 from .plan import TableInfo, embedding_tables, make_sharders, plan_resolved_sharding, resolve_sharding_types, table_parameter
@@ -320,16 +320,11 @@ def load_full_tables(model: nn.Module, tables: Mapping[str, torch.Tensor]) -> No
     model.load_state_dict(state, strict=False)
 
 
-def is_fused_parameter(parameter: torch.Tensor) -> bool:
-    """True for table parameters that the fused sparse optimizer updates inside backward."""
-    return hasattr(parameter, "_in_backward_optimizers")
-
-
 def dense_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The (name, parameter) pairs a normal optimizer must own: everything that trains except the tables
     that the fused sparse optimizer updates (data_parallel tables are included). Works on unsharded
     models too (then every trainable parameter)."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and not is_fused_parameter(p)]
+    return [(n, p) for n, p in in_backward_optimizer_filter(module.named_parameters()) if p.requires_grad]
 
 
 def dense_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -351,20 +346,9 @@ def embedding_parameter_ids(module: nn.Module) -> set[int]:
 
 
 def sparse_optimizer(model: nn.Module) -> CombinedOptimizer | None:
-    """The fused optimizer(s) of the sharded tables in model (a DMP, or any module holding sharded
-    collections), keyed by table path like DMP.fused_optimizer; None when nothing is sharded. Its
-    state_dict holds the per-table optimizer state (e.g. row-wise Adagrad accumulators), sharded like
-    the tables; its param_groups hold the sparse learning rate."""
-    if isinstance(model, DistributedModelParallel):
-        model = model.module
-
-    def collect(module: nn.Module, path: str, found: list) -> list:
-        if isinstance(module, FusedOptimizerModule):
-            found.append((path, module.fused_optimizer))
-            return found
-        for name, child in module.named_children():
-            collect(child, f"{path}.{name}" if path else name, found)
-        return found
-
-    found = collect(model, "", [])
-    return CombinedOptimizer(found) if found else None
+    """DMP.fused_optimizer: the fused optimizer(s) of the sharded tables, keyed by table path; None
+    when model is not a DMP or shards no table. Its state_dict holds the per-table optimizer state
+    (e.g. row-wise Adagrad accumulators), sharded like the tables; its param_groups hold the sparse
+    learning rate."""
+    fused = model.fused_optimizer if isinstance(model, DistributedModelParallel) else None
+    return fused if fused is not None and fused.optimizers else None
