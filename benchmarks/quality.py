@@ -317,10 +317,10 @@ def history_gain(protocols: dict) -> dict:
     """Per model that ran both time-split protocols on a common seed: its test AUC and log loss with
     the history feature minus without it."""
     with_history, without = (protocols[name]["models"] for name in HISTORY_ABLATION)
+    paired = [model for model in with_history if model in without
+              and set(with_history[model]["test_auc"]["seeds"]) & set(without[model]["test_auc"]["seeds"])]
     return {model: {metric: paired_difference(with_history[model][metric], without[model][metric])
-                    for metric in ("test_auc", "test_logloss")}
-            for model in with_history
-            if model in without and set(with_history[model]["test_auc"]["seeds"]) & set(without[model]["test_auc"]["seeds"])}
+                    for metric in ("test_auc", "test_logloss")} for model in paired}
 
 
 def build(folders: dict[str, Path], not_run: dict[str, str]) -> dict:

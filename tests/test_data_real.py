@@ -191,7 +191,7 @@ def test_movielens_history_holds_only_strictly_earlier_items(movielens_root):
     timestamps_per_user: dict[int, list[int]] = {}
     for (user, _), (_, timestamp) in interactions.items():
         timestamps_per_user.setdefault(user, []).append(timestamp)
-    assert any(len(set(ts)) < len(ts) for ts in timestamps_per_user.values()), "fixture must contain same-second ratings"
+    assert any(len(set(ts)) < len(ts) for ts in timestamps_per_user.values()), "fixture needs same-second ratings"
     for max_len in (256, 3):
         splits = build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig(max_history_len=max_len))
         check_time_split(splits, {pair: timestamp for pair, (_, timestamp) in interactions.items()}, max_len)
@@ -266,7 +266,7 @@ def test_a_time_split_with_an_empty_part_names_it(movielens_root):
     inter = movielens_root / "raw" / "ml-100k" / "ml-100k.inter"
     lines = inter.read_text().splitlines()
     inter.write_text("\n".join([lines[0], *("\t".join(line.split("\t")[:3] + ["880000000"]) for line in lines[1:])]))
-    with pytest.raises(ValueError, match=r"ml-100k: the time split .* of 66 ratings\) leaves train and validation empty"):
+    with pytest.raises(ValueError, match=r"the time split .* of 66 ratings\) leaves train and validation empty"):
         build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig())
 
 
@@ -325,7 +325,8 @@ def test_a_prepared_folder_of_other_settings_is_never_read(movielens_root):
     """The time split's folders of the former two-part rule have another key, so another folder; a
     folder whose meta.json names other settings than its key's (stale, or copied in) is refused."""
     config = MovieLensConfig(max_history_len=8)
-    former = keyed_folder(movielens_root, ML_100K.name, {"prepare_version": 1, "max_history_len": 8, "val_fraction": 0.2})
+    former_key = {"prepare_version": 1, "max_history_len": 8, "val_fraction": 0.2}
+    former = keyed_folder(movielens_root, ML_100K.name, former_key)
     assert movielens_folder(ML_100K, config, movielens_root) != former
     # RecBole's protocol keeps its key, so its prepared folders stay valid.
     assert MovieLensConfig(protocol=RECBOLE_CONTEXT, seed=3).cache_key() == {
@@ -335,7 +336,7 @@ def test_a_prepared_folder_of_other_settings_is_never_read(movielens_root):
     meta = json.loads((folder / "meta.json").read_text())
     meta["config"] = {**meta["config"], "prepare_version": 1}
     (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"was prepared with .*'prepare_version': 1.*: it is stale or foreign; delete it"):
+    with pytest.raises(ValueError, match=r"prepared with .*'prepare_version': 1.*: it is stale or foreign; delete"):
         ensure_movielens(ML_100K, config, movielens_root)
 
 
