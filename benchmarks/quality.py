@@ -28,14 +28,17 @@ The report, from tune folders or plain comparison folders (`python train.py comp
 architecture):
 
     python -m benchmarks.quality --protocol recbole_ml1m_context=runs/tune_ml1m \
-        --protocol recbole_ml100k_context=runs/quality_ml100k --not-run time_split_history=REASON \
+        --protocol recbole_ml100k_context=runs/quality_ml100k --protocol time_split_history=runs/tune_history \
+        --not-run time_split_no_history=REASON \
         --notes benchmarks/results/quality_ml1m_notes.md --out benchmarks/results/quality_ml1m
 
 writes <out>.json ({"protocols": {name: {"models": {arch: {"test_auc": {"mean", "std", "per_seed": [...],
 "seeds": [...]}, "test_logloss": {...}, "chosen": {...}}}, "tuning": {...}, ...}}}) and <out>.md. Only what
 the folders hold is reported; a protocol with no folder is kept with its models empty and the reason
 (`--not-run NAME=REASON`) it did not run. `--notes FILE` appends a markdown file (how the runs were
-budgeted, what the gaps come from).
+budgeted, what the gaps come from). With both time_split_history and time_split_no_history (the same
+samples and split, without the history feature), the report adds what the history tokens add: each
+model's test scores with history minus without, seed by seed (<out>.json's "history_gain").
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import itertools
 import json
 import re
 import shutil
+import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,7 +75,8 @@ class Protocol:
         return f"{self.description} ({' '.join(self.configs)}{''.join(' ' + a for a in self.args)})"
 
 
-# The protocols of issue 23; the first two are RecBole's, the third ours.
+# The protocols of issue 23; the first two are RecBole's, the last two ours (the same time split and
+# samples, with and without the history feature: their difference is what the history tokens add).
 PROTOCOLS = {
     "recbole_ml1m_context": Protocol("MovieLens-1M, RecBole's context-aware benchmark", ("configs/movielens1m.yaml",)),
     "recbole_ml100k_context": Protocol("MovieLens-100K, RecBole's context-aware quick start",
@@ -80,7 +85,12 @@ PROTOCOLS = {
         "MovieLens-1M, our time split with the user's earlier items as history", ("configs/movielens1m.yaml",),
         ("--data.protocol=time_split_history", "--data.max_history_len=256"),
     ),
+    "time_split_no_history": Protocol(
+        "MovieLens-1M, our time split without the history feature", ("configs/movielens1m.yaml",),
+        ("--data.protocol=time_split_history", "--data.max_history_len=0"),
+    ),
 }
+HISTORY_ABLATION = ("time_split_history", "time_split_no_history")  # (with history, without it)
 # The tuning grid, one for every model (RecBole's benchmark searched each model's own grid, 6 to 216
 # points; here every model gets the same 6 trials): AdamW's peak learning rate, which spans the
 # configs' own values (our model's 0.002, the baselines' 0.005 from RecBole's searches) and one more
@@ -271,8 +281,8 @@ def protocol_entry(folder: Path) -> dict:
         if tuning:
             models[name].update({key: tuning["models"][name][key] for key in ("chosen", "chosen_val_auc", "trials")})
     if not models:
-        raise CompareError(f"{folder}: no run has a test score (test.json): its data holds out no test part "
-                           "(time_split_history has only train and validation)")
+        raise CompareError(f"{folder}: no run has a test score (test.json): its data holds out no test part, "
+                           "or every run failed")
     missing = [r for r in report["runs"] if r["status"] != "ok"]
     return {
         "models": models,
@@ -291,12 +301,32 @@ def protocol_entry(folder: Path) -> dict:
     }
 
 
+def paired_difference(first: dict, second: dict) -> dict:
+    """first minus second, seed by seed over the seeds both ran (seed_list's form)."""
+    seeds = [seed for seed in first["seeds"] if seed in second["seeds"]]
+    differences = [first["per_seed"][first["seeds"].index(seed)] - second["per_seed"][second["seeds"].index(seed)]
+                   for seed in seeds]  # fmt: skip
+    return {"mean": statistics.mean(differences), "std": statistics.stdev(differences) if len(seeds) > 1 else None,
+            "per_seed": differences, "seeds": seeds}
+
+
+def history_gain(protocols: dict) -> dict:
+    """Per model that ran both time-split protocols on a common seed: its test AUC and log loss with
+    the history feature minus without it."""
+    with_history, without = (protocols[name]["models"] for name in HISTORY_ABLATION)
+    paired = [model for model in with_history if model in without
+              and set(with_history[model]["test_auc"]["seeds"]) & set(without[model]["test_auc"]["seeds"])]
+    return {model: {metric: paired_difference(with_history[model][metric], without[model][metric])
+                    for metric in ("test_auc", "test_logloss")} for model in paired}
+
+
 def build(folders: dict[str, Path], not_run: dict[str, str]) -> dict:
     protocols = {name: protocol_entry(folders[name]) if name in folders
                  else {"models": {}, "not_run": not_run.get(name, "no comparison folder was given")}
                  for name in PROTOCOLS}  # fmt: skip
     return {
         "protocols": protocols,
+        "history_gain": history_gain(protocols),
         "published": {
             protocol: {model: {"test_auc": auc, "test_logloss": logloss, "source": RECBOLE + path, "search": search}
                        for model, (auc, logloss, path, search) in models.items()}
@@ -305,10 +335,9 @@ def build(folders: dict[str, Path], not_run: dict[str, str]) -> dict:
     }
 
 
-def _cell(entry: dict) -> str:
-    if entry["std"] is None:
-        return f"{entry['mean']:.4f}"
-    return f"{entry['mean']:.4f} ± {entry['std']:.4f}"
+def _cell(entry: dict, sign: str = "") -> str:
+    """mean ± std (the mean alone for one seed); sign "+" writes the mean's sign (a difference)."""
+    return f"{entry['mean']:{sign}.4f}" + ("" if entry["std"] is None else f" ± {entry['std']:.4f}")
 
 
 def _setting(point: dict) -> str:
@@ -368,6 +397,18 @@ def render(result: dict, notes: str = "") -> str:
                       "", "| model | test AUC | test log loss | search | source |", "|---|---|---|---|---|"]
             lines += [f"| {model} | {p['test_auc']:.4f} | {p['test_logloss']:.4f} | {p['search']} | {p['source']} |"
                       for model, p in published.items()]
+        lines.append("")
+    if result["history_gain"]:
+        with_history, without = HISTORY_ABLATION
+        lines += [f"## What the history tokens add: {with_history} minus {without}", "",
+                  "The same samples and split with and without the history feature; each model's test scores "
+                  "with it minus without it, seed by seed (mean ± sample std of the differences).", "",
+                  "| model | test AUC difference | test log loss difference | per seed AUC difference |",
+                  "|---|---|---|---|"]
+        for model, gain in result["history_gain"].items():
+            auc = gain["test_auc"]
+            per_seed = ", ".join(f"{value:+.4f} (seed {seed})" for value, seed in zip(auc["per_seed"], auc["seeds"]))
+            lines.append(f"| {model} | {_cell(auc, '+')} | {_cell(gain['test_logloss'], '+')} | {per_seed} |")
         lines.append("")
     if notes:
         lines += [notes.strip(), ""]

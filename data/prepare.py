@@ -39,9 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         movielens.add_argument("--data-dir", default="data/cache", help="cache root (same as data.data_dir)")
         movielens.add_argument("--protocol", choices=PROTOCOLS, default=MovieLensConfig.protocol)
         movielens.add_argument("--max-history-len", type=int, default=MovieLensConfig.max_history_len,
-                               help=f"{PROTOCOLS[0]} only")
+                               help=f"{PROTOCOLS[0]} only; 0: no history feature")
         movielens.add_argument("--val-fraction", type=float, default=MovieLensConfig.val_fraction,
-                               help=f"{PROTOCOLS[0]} only")
+                               help=f"{PROTOCOLS[0]} only: validation's share of the ratings, by time")
+        movielens.add_argument("--test-fraction", type=float, default=MovieLensConfig.test_fraction,
+                               help=f"{PROTOCOLS[0]} only: the latest ratings' share, the test part")
         movielens.add_argument("--seed", type=int, default=MovieLensConfig.seed,
                                help=f"{PROTOCOLS[1]} only: the random split's seed (same as data.seed)")
 
@@ -66,7 +68,7 @@ def prepare(args: argparse.Namespace) -> None:
               f"data.vocab_size={args.table_size}")  # fmt: skip
     else:
         config = MovieLensConfig(protocol=args.protocol, max_history_len=args.max_history_len,
-                                 val_fraction=args.val_fraction, seed=args.seed)
+                                 val_fraction=args.val_fraction, test_fraction=args.test_fraction, seed=args.seed)
         release = ML_1M if args.dataset == ML_1M.name else ML_100K
         folder = ensure_movielens(release, config, args.data_dir)
         print(json.dumps(read_meta(folder).get("rows"), indent=2))

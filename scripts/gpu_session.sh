@@ -76,8 +76,10 @@ for s in "$@"; do
       # The runs so far, without checkpoints: `python -m benchmarks.compare report` renders them here if the machine goes.
       tar czf "$OUT"/compare_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp compare_h200 2>/dev/null
       summary+=("compare_wait: $(pgrep -f 'train.py compare' > /dev/null && echo still running || echo finished) :: $(grep -E '^\[' /tmp/compare_h200.log | tail -2 | tr '\n' ' ')") ;;
-    quality_start)  # QUALITY_PROTOCOLS (default recbole_ml1m_context) tuned one after another, QUALITY_JOBS runs at a
-      # time, QUALITY_ARGS more tune arguments (e.g. --size candidates); a tuning cut short in an earlier session resumes from its quality_runs.tgz carried as .gpu/quality_runs.tgz
+    quality_start)  # QUALITY_PROTOCOLS (default recbole_ml1m_context; "time_split_history time_split_no_history" for
+      # what the history adds) tuned one after another, QUALITY_JOBS runs at a time, QUALITY_ARGS more tune
+      # arguments (e.g. --size candidates); a tuning cut short in an earlier session resumes from its
+      # quality_runs.tgz carried as .gpu/quality_runs.tgz
       mkdir -p /tmp/data_cache
       pack=$(ls /tmp/ml1m_raw.tar.xz .gpu-data/ml1m_raw.tar.xz 2>/dev/null | head -1)
       [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache

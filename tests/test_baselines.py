@@ -12,10 +12,13 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
+from data.datamodule import CTRDataModule
 from data.schema import FeatureSchema
+from models import RankingModelConfig
 from models.baselines import BASELINE_ARCHS, BaselineConfig, BaselineModel
 from tests.test_model import SCHEMA, make_batch
 from tests.test_train import read_metrics, run_train
+from train import ARCHS, RankingTask
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = BaselineConfig(embedding_dim=8, dense_arch=[16], over_arch=[32, 16], dcn_num_layers=2, dcn_low_rank_dim=4)
@@ -101,20 +104,47 @@ def test_each_arch_trains_through_train_py_with_its_config(tmp_path, arch):
     assert not (tmp_path / "runs" / arch / "version_0" / "test.json").exists()  # the synthetic data has no test split
 
 
-def test_a_protocol_with_a_test_split_is_scored_by_the_best_validation_checkpoint(tmp_path):
+@pytest.mark.parametrize("run, args", [
+    ("dcnv2", ["--config", "configs/dcnv2.yaml", "--data.protocol=recbole_context"]),
+    ("dcnv2", ["--config", "configs/dcnv2.yaml", "--data.protocol=time_split_history", "--data.max_history_len=16"]),
+    ("tiny", ["--data.protocol=time_split_history", "--data.max_history_len=0"]),  # block attention, no history
+])  # fmt: skip
+def test_a_protocol_with_a_test_split_is_scored_by_the_best_validation_checkpoint(tmp_path, run, args):
     shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "cache" / "raw" / "ml-1m")
-    result = run_train("--config", "configs/tiny.yaml", "--config", "configs/dcnv2.yaml", "--data.dataset=movielens1m",
-                       "--data.protocol=recbole_context", "--data.num_train=0", "--data.num_val=0",
+    result = run_train("--config", "configs/tiny.yaml", *args, "--data.dataset=movielens1m",
+                       "--data.num_train=0", "--data.num_val=0",
                        "--data.batch_size=16", "--trainer.max_steps=12", "--trainer.val_check_interval=5",
                        f"--runs_dir={tmp_path / 'runs'}", f"--data.data_dir={tmp_path / 'cache'}")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    run_folder = tmp_path / "runs" / "dcnv2" / "version_0"
+    run_folder = tmp_path / "runs" / run / "version_0"
     scores = json.loads((run_folder / "test.json").read_text())
     best = sorted((run_folder / "checkpoints").glob("best-step*.ckpt"))
     assert scores["checkpoint"] == str(best[0]) and len(best) == 1
     rows = read_metrics(run_folder)
     assert [float(row["test/auc"]) for row in rows if row.get("test/auc")] == [pytest.approx(scores["test/auc"])]
     assert 0 < scores["test/logloss"] and "test AUC" in result.stdout
+
+
+@pytest.mark.parametrize("max_history_len", [8, 0])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_trains_on_the_time_split_with_and_without_history(tmp_path, arch, max_history_len):
+    """The same samples with the history feature and without it (max_history_len=0): every architecture
+    builds on either schema, with a history table only when there is a history, and takes a gradient step."""
+    shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "raw" / "ml-1m")
+    data = CTRDataModule(dataset="movielens1m", data_dir=str(tmp_path), max_history_len=max_history_len,
+                         num_train=0, num_val=0, batch_size=32)  # fmt: skip
+    data.prepare_data()
+    data.setup("fit")
+    torch.manual_seed(0)
+    task = RankingTask(data.schema.to_dict(), net=RankingModelConfig(d_model=32, embedding_dim=8, num_layers=1),
+                       arch=arch, baseline=CONFIG)  # fmt: skip
+    has_history_table = any("history" in name for name, _ in task.net.named_parameters())
+    assert has_history_table == (max_history_len > 0)
+    batch = next(iter(data.test_dataloader()))
+    assert (batch.history_lengths.sum() > 0) == (max_history_len > 0)
+    logits, _ = task.net(batch)
+    task.net.loss(logits, batch.labels).backward()
+    assert logits.shape == (batch.batch_size,) and torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import math
 import shutil
 import subprocess
@@ -15,12 +16,12 @@ from data.criteo import CATEGORICAL_NAMES, DENSE_NAMES, criteo_schema, parse_lin
 from data.datamodule import CTRDataModule
 from data.movielens import (
     AGE_BUCKET_EDGES, FIRST_YEAR, GENDERS, GENRES, ML_100K, OCCUPATIONS, RECBOLE_CONTEXT, FetchError, MovieLensConfig,
-    build_splits, ensure_movielens, fetch_release, movielens_schema, recbole_split_sizes,
+    build_splits, ensure_movielens, fetch_release, movielens_folder, movielens_schema, recbole_split_sizes, time_parts,
 )  # fmt: skip
 from data.movielens1m import ML_1M
 from data.prepare import main as prepare_main
 from data.schema import LABEL
-from data.storage import load_split, read_meta
+from data.storage import keyed_folder, load_split, read_meta
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ml-100k-tiny"
 TABLE_SIZE = 1000
@@ -187,32 +188,105 @@ def read_fixture_interactions() -> dict[tuple[int, int], tuple[int, int]]:
 
 def test_movielens_history_holds_only_strictly_earlier_items(movielens_root):
     interactions = read_fixture_interactions()
-    by_user: dict[int, list[tuple[int, int]]] = {}
-    for (user, item), (_, timestamp) in interactions.items():
-        by_user.setdefault(user, []).append((timestamp, item))
-    timestamps_per_user = [sorted(t for t, _ in events) for events in by_user.values()]
-    assert any(len(set(ts)) < len(ts) for ts in timestamps_per_user), "fixture must contain same-second ratings"
-
+    timestamps_per_user: dict[int, list[int]] = {}
+    for (user, _), (_, timestamp) in interactions.items():
+        timestamps_per_user.setdefault(user, []).append(timestamp)
+    assert any(len(set(ts)) < len(ts) for ts in timestamps_per_user.values()), "fixture needs same-second ratings"
     for max_len in (256, 3):
         splits = build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig(max_history_len=max_len))
-        train, validation = splits["train"], splits["validation"]
-        samples = train.to_pylist() + validation.to_pylist()
-        assert len(samples) == len(interactions)
-        for sample in samples:
+        check_time_split(splits, {pair: timestamp for pair, (_, timestamp) in interactions.items()}, max_len)
+        for sample in (row for table in splits.values() for row in table.to_pylist()):
             rating, timestamp = interactions[(sample["user"], sample["item"])]
             assert sample[LABEL] == float(rating >= 4)
-            history_times = [interactions[(sample["user"], item)][1] for item in sample["history"]]
-            assert all(t < timestamp for t in history_times)
-            assert history_times == sorted(history_times)  # oldest first
-            earlier = sorted((t, item) for t, item in by_user[sample["user"]] if t < timestamp)
-            assert len(sample["history"]) == min(len(earlier), max_len)
-            assert set(sample["history"]) <= {item for _, item in earlier[-max_len:]}
-            assert sample["user_prior_count"] == pytest.approx(math.log1p(len(earlier)))
+            earlier = sum(t < timestamp for t in timestamps_per_user[sample["user"]])
+            assert sample["user_prior_count"] == pytest.approx(math.log1p(earlier))
 
-        train_times = [interactions[(row["user"], row["item"])][1] for row in train.to_pylist()]
-        validation_times = [interactions[(row["user"], row["item"])][1] for row in validation.to_pylist()]
-        assert max(train_times) < min(validation_times)
-        assert 0.1 < len(validation_times) / len(samples) < 0.35
+
+def check_time_split(splits: dict, timestamps: dict[tuple[int, int], int], max_len: int) -> None:
+    """The time split's rule (data/movielens.py), checked from the raw (user, item) -> timestamp:
+    train / validation / test hold every rating once, by the timestamp cut-offs at the 0.8 and 0.9
+    quantiles (the parts strictly ordered in time, each in time order), and each sample's history is
+    the user's max_len latest items strictly earlier than it, from whichever part (ties by item id)."""
+    assert list(splits) == ["train", "validation", "test"]
+    rows = {name: table.to_pylist() for name, table in splits.items()}
+    pairs = {name: [(row["user"], row["item"]) for row in part] for name, part in rows.items()}
+    assert sorted(pair for part in pairs.values() for pair in part) == sorted(timestamps)  # each rating once
+    times = {name: [timestamps[pair] for pair in part] for name, part in pairs.items()}
+    assert all(part == sorted(part) and part for part in times.values())
+    assert max(times["train"]) < min(times["validation"]) <= max(times["validation"]) < min(times["test"])
+    low, high = np.quantile(list(timestamps.values()), [0.8, 0.9])
+    assert [len(times[name]) for name in times] == [sum(t < low for t in timestamps.values()),
+                                                   sum(low <= t < high for t in timestamps.values()),
+                                                   sum(t >= high for t in timestamps.values())]
+    part_of = {pair: name for name, part in pairs.items() for pair in part}
+    by_user: dict[int, list[tuple[int, int]]] = {}
+    for (user, item), timestamp in timestamps.items():
+        by_user.setdefault(user, []).append((timestamp, item))
+    history_parts = {name: set() for name in rows}
+    for name, part in rows.items():
+        for sample in part:
+            timestamp = timestamps[(sample["user"], sample["item"])]
+            earlier = sorted(event for event in by_user[sample["user"]] if event[0] < timestamp)
+            assert sample["history"] == [item for _, item in earlier[-max_len:]]  # oldest first
+            assert all(timestamps[(sample["user"], item)] < timestamp for item in sample["history"])
+            history_parts[name] |= {part_of[(sample["user"], item)] for item in sample["history"]}
+    # No part's histories reach a later part; the later parts do see the earlier ones (and their own).
+    assert history_parts["train"] == {"train"} and history_parts["validation"] <= {"train", "validation"}
+    if max_len > 3:
+        assert history_parts["test"] == {"train", "validation", "test"}
+
+
+def ml1m_fixture_timestamps() -> dict[tuple[int, int], int]:
+    """(user, item) -> timestamp of the ML-1M fixture, item ids by the item file's line order."""
+    titles = [line.split("\t")[0] for line in (ML_1M_FIXTURE / "ml-1m.item").read_text().splitlines()[1:]]
+    item_of_title = {title: item for item, title in enumerate(titles, start=1)}
+    lines = (ML_1M_FIXTURE / "ml-1m.inter").read_text().splitlines()[1:]
+    return {(int(user.removeprefix("1m_")), item_of_title[title]): int(float(timestamp))
+            for user, title, _, timestamp in (line.split("\t") for line in lines)}  # fmt: skip
+
+
+def test_movielens1m_time_split_has_three_parts_ordered_in_time(movielens1m_root):
+    raw = movielens1m_root / "raw" / "ml-1m"
+    splits = build_splits(ML_1M, raw, MovieLensConfig(max_history_len=256))
+    check_time_split(splits, ml1m_fixture_timestamps(), 256)
+    assert [table.num_rows for table in splits.values()] == [109, 14, 14]
+    again = build_splits(ML_1M, raw, MovieLensConfig(max_history_len=256))
+    assert all(again[name].equals(splits[name]) for name in splits)  # the same data, the same split
+
+
+def test_time_parts_keep_equal_timestamps_together_at_a_cutoff():
+    # 20 ratings, the 0.8 quantile inside the run of 2s and the 0.7 one inside the 1s: a split by row
+    # rank would cut both runs (14 / 2 / 4 rows at test_fraction 0.2), the rule cuts between values.
+    timestamps = np.array([2] * 5 + [0] * 5 + [1] * 10)
+    parts = time_parts(timestamps, MovieLensConfig(val_fraction=0.1, test_fraction=0.2))
+    assert parts.tolist() == [2] * 5 + [0] * 5 + [1] * 10
+
+
+def test_a_time_split_with_an_empty_part_names_it(movielens_root):
+    inter = movielens_root / "raw" / "ml-100k" / "ml-100k.inter"
+    lines = inter.read_text().splitlines()
+    inter.write_text("\n".join([lines[0], *("\t".join(line.split("\t")[:3] + ["880000000"]) for line in lines[1:])]))
+    with pytest.raises(ValueError, match=r"the time split .* of 66 ratings\) leaves train and validation empty"):
+        build_splits(ML_100K, movielens_root / "raw" / "ml-100k", MovieLensConfig())
+
+
+def test_no_history_keeps_the_same_samples_and_split_without_the_history_feature(movielens1m_root):
+    raw = movielens1m_root / "raw" / "ml-1m"
+    with_history = build_splits(ML_1M, raw, MovieLensConfig(max_history_len=8))
+    without = build_splits(ML_1M, raw, MovieLensConfig(max_history_len=0))
+    assert movielens_schema(ML_1M, MovieLensConfig(max_history_len=0)).sequence == ()
+    for name, table in with_history.items():
+        assert without[name].equals(table.drop_columns(["history"]))
+    assert any(len(history) for history in with_history["test"].column("history").to_pylist())
+
+    module = CTRDataModule(dataset="movielens1m", data_dir=str(movielens1m_root), max_history_len=0, num_train=0,
+                           num_val=0, batch_size=8)  # fmt: skip
+    module.prepare_data()
+    module.setup("fit")
+    assert module.has_test_split and module.schema.sequence_names == ()
+    for loader in (module.train_dataloader(), module.val_dataloader(), module.test_dataloader()):
+        for batch in loader:
+            assert batch.sequence.keys() == [] and batch.history_lengths.tolist() == [0] * batch.batch_size
 
 
 def test_movielens_side_features_come_from_the_item_and_user_files(movielens_root):
@@ -243,8 +317,27 @@ def test_movielens_prepare_command_and_datamodule(movielens_root, capsys):
     batch = next(iter(module.train_dataloader()))
     assert batch.sparse.keys() == ["user", "item", "genre", "occupation", "age_bucket", "gender"]
     assert batch.sequence.keys() == ["history"] and int(batch.sequence.lengths().max()) <= 8
-    total = sum(b.batch_size for b in module.train_dataloader()) + sum(b.batch_size for b in module.val_dataloader())
-    assert total == len(read_fixture_interactions())
+    loaders = (module.train_dataloader(), module.val_dataloader(), module.test_dataloader())
+    assert sum(b.batch_size for loader in loaders for b in loader) == len(read_fixture_interactions())
+
+
+def test_a_prepared_folder_of_other_settings_is_never_read(movielens_root):
+    """The time split's folders of the former two-part rule have another key, so another folder; a
+    folder whose meta.json names other settings than its key's (stale, or copied in) is refused."""
+    config = MovieLensConfig(max_history_len=8)
+    former_key = {"prepare_version": 1, "max_history_len": 8, "val_fraction": 0.2}
+    former = keyed_folder(movielens_root, ML_100K.name, former_key)
+    assert movielens_folder(ML_100K, config, movielens_root) != former
+    # RecBole's protocol keeps its key, so its prepared folders stay valid.
+    assert MovieLensConfig(protocol=RECBOLE_CONTEXT, seed=3).cache_key() == {
+        "prepare_version": 1, "protocol": RECBOLE_CONTEXT, "seed": 3}
+    folder = ensure_movielens(ML_100K, config, movielens_root)
+    assert ensure_movielens(ML_100K, config, movielens_root) == folder  # its own settings: reused
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["config"] = {**meta["config"], "prepare_version": 1}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"prepared with .*'prepare_version': 1.*: it is stale or foreign; delete"):
+        ensure_movielens(ML_100K, config, movielens_root)
 
 
 def replace_field(path: Path, line_index: int, field_index: int, value: str) -> None:
@@ -340,10 +433,12 @@ def test_recbole_protocol_through_the_datamodule_serves_a_test_split(movielens1m
     batch = next(iter(module.train_dataloader()))
     assert batch.sparse.keys() == ["user_id", "item_id", "age", "gender", "occupation", "release_year"]
     assert batch.sequence.keys() == ["genre"] and batch.dense.shape == (4, 0)
-    time_split = CTRDataModule(dataset="movielens1m", data_dir=str(movielens1m_root), num_train=0, num_val=0)
+    time_split = CTRDataModule(dataset="movielens1m", data_dir=str(movielens1m_root), num_train=0, num_val=0,
+                               batch_size=4)  # fmt: skip
     time_split.prepare_data()
     time_split.setup("fit")
-    assert not time_split.has_test_split and time_split.schema.sequence_names == ("history",)
+    assert time_split.has_test_split and time_split.schema.sequence_names == ("history",)
+    assert sum(batch.batch_size for batch in time_split.test_dataloader()) == 14
     with pytest.raises(ValueError, match=r"protocol='recbole_context': for dataset='synthetic' it must be null"):
         CTRDataModule(dataset="synthetic", protocol=RECBOLE_CONTEXT)
     with pytest.raises(ValueError, match=r"protocol='random': for dataset='movielens1m' it must be one of"):

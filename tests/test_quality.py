@@ -17,11 +17,13 @@ MODELS = ["block_attention", "lr"]
 TINY_GRID = ["--grid", "model.optim.lr=0.002,0.05"]
 
 
-def run_tune(out: Path, cache: Path, seeds: int, *more: str) -> subprocess.CompletedProcess:
-    # The tiny ML-1M fixture under RecBole's protocol: about 10 validation and 10 test rows.
-    args = ["tune", "--protocol", "recbole_ml1m_context", "--attn", "reference", "--models", *MODELS, *TINY_GRID,
-            "--steps", "12", "--seeds", str(seeds), "--out", str(out), f"--data.data_dir={cache}",
-            "--data.batch_size=16", "--trainer.val_check_interval=5", "--model.net.d_model=32", *more]
+def run_tune(out: Path, cache: Path, seeds: int, protocol: str = "recbole_ml1m_context", steps: int = 12,
+             val_check_interval: int = 5, more: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    # The tiny ML-1M fixture: about 10 validation and 10 test rows under RecBole's protocol, 14 and 14
+    # under the time split.
+    args = ["tune", "--protocol", protocol, "--attn", "reference", "--models", *MODELS, *TINY_GRID,
+            "--steps", str(steps), "--seeds", str(seeds), "--out", str(out), f"--data.data_dir={cache}",
+            "--data.batch_size=16", f"--trainer.val_check_interval={val_check_interval}", "--model.net.d_model=32", *more]
     return subprocess.run([sys.executable, "-m", "benchmarks.quality", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
 
@@ -105,8 +107,8 @@ def test_the_choice_does_not_move_when_the_test_scores_say_otherwise(tuned, tmp_
 def test_block_attentions_size_is_chosen_first_and_its_grid_runs_at_that_size(tmp_path):
     shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "cache" / "raw" / "ml-1m")
     out = tmp_path / "out"
-    result = run_tune(out, tmp_path / "cache", 1, "--size", "model.net.num_layers=1",
-                      "--size", "model.net.num_layers=2,model.net.num_heads=2")
+    result = run_tune(out, tmp_path / "cache", 1, more=("--size", "model.net.num_layers=1",
+                                                        "--size", "model.net.num_layers=2,model.net.num_heads=2"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     tuning = json.loads((out / "tuning.json").read_text())
     sizes = [{"model.net.num_layers": 1}, {"model.net.num_layers": 2, "model.net.num_heads": 2}]
@@ -124,6 +126,34 @@ def test_block_attentions_size_is_chosen_first_and_its_grid_runs_at_that_size(tm
     assert f"num_layers: {size['model.net.num_layers']}" in config
     assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--out", str(tmp_path / "quality")]) == 0
     assert "block_attention's size was chosen the same way among 2 candidates" in (tmp_path / "quality.md").read_text()
+
+
+def test_the_time_split_tunes_with_and_without_history_and_the_report_gives_the_difference(tmp_path):
+    """Both time-split protocols through `tune` on the fixture (4 steps, one seed): each run trained on
+    its own data (history or none), was tested on the time split's test part, and the report pairs
+    each model's test scores with history against those without."""
+    shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "cache" / "raw" / "ml-1m")
+    outs = {protocol: tmp_path / protocol for protocol in ("time_split_history", "time_split_no_history")}
+    for protocol, out in outs.items():
+        result = run_tune(out, tmp_path / "cache", seeds=1, protocol=protocol, steps=4, val_check_interval=2)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        for model in MODELS:
+            chosen = Path(json.loads((out / "tuning.json").read_text())["models"][model]["chosen_run"])
+            config = (chosen / json.loads((chosen / "run.json").read_text())["version"] / "config.yaml").read_text()
+            assert "protocol: time_split_history" in config
+            assert f"max_history_len: {256 if protocol == 'time_split_history' else 0}" in config
+
+    assert quality_main([*(f"--protocol={name}={out}" for name, out in outs.items()), "--out",
+                         str(tmp_path / "quality")]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "quality.json").read_text())
+    protocols = report["protocols"]
+    for model in MODELS:
+        gain = report["history_gain"][model]
+        for metric in ("test_auc", "test_logloss"):
+            with_history, without = (protocols[name]["models"][model][metric]["per_seed"][0] for name in outs)
+            assert gain[metric]["per_seed"] == [with_history - without] and gain[metric]["seeds"] == [0]
+    assert "## What the history tokens add: time_split_history minus time_split_no_history" in (
+        tmp_path / "quality.md").read_text()
 
 
 def test_a_tie_goes_to_the_earlier_point_and_a_failed_trial_is_skipped():
