@@ -79,7 +79,8 @@ for s in "$@"; do
     quality_start)  # QUALITY_PROTOCOLS (default recbole_ml1m_context; "time_split_history time_split_no_history" for
       # what the history adds) tuned one after another, QUALITY_JOBS runs at a time, QUALITY_ARGS more tune
       # arguments (e.g. --size candidates); a tuning cut short in an earlier session resumes from its
-      # quality_runs.tgz carried as .gpu/quality_runs.tgz
+      # quality_runs.tgz carried as .gpu/quality_runs.tgz. Block attention on triton: the MovieLens configs train in
+      # fp32, as the baselines do, and the TLX kernels take bf16/fp16 only.
       mkdir -p /tmp/data_cache
       pack=$(ls /tmp/ml1m_raw.tar.xz .gpu-data/ml1m_raw.tar.xz 2>/dev/null | head -1)
       [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache
@@ -89,8 +90,8 @@ for s in "$@"; do
       else
         # 1160 steps = 8 epochs of RecBole's protocol (batch 4096); two dataloader workers a run, as runs share the host.
         setsid nohup bash -c 'for protocol in ${QUALITY_PROTOCOLS:-recbole_ml1m_context}; do
-            python3 -m benchmarks.quality tune --protocol $protocol --attn ${QUALITY_ATTN:-tlx} --steps ${QUALITY_STEPS:-1160} \
-              --seeds 3 --jobs ${QUALITY_JOBS:-4} --out /tmp/quality/$protocol --data.data_dir=/tmp/data_cache --data.num_workers=2 \
+            python3 -m benchmarks.quality tune --protocol $protocol --attn ${QUALITY_ATTN:-triton} --steps ${QUALITY_STEPS:-1160} \
+              --seeds 3 --jobs ${QUALITY_JOBS:-6} --out /tmp/quality/$protocol --data.data_dir=/tmp/data_cache --data.num_workers=2 \
               ${QUALITY_ARGS:-}
           done' > /tmp/quality.log 2>&1 < /dev/null &
         summary+=("quality_start: started, log /tmp/quality.log")
