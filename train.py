@@ -51,6 +51,18 @@ from training.strategy import TorchrecStrategy  # importing it registers strateg
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 
+def kernel_dtype(precision: str) -> torch.dtype:
+    """The dtype the attention kernels see under a Lightning `trainer.precision` setting."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup, then cosine decay.
@@ -398,12 +410,22 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.strategy.root_device.type == "cuda":
         # Lets the matmuls that bf16-mixed keeps in fp32 use TF32 tensor cores (CPU numerics stay exact).
         torch.set_float32_matmul_precision("high")
-    # Fail before any data is prepared if the chosen kernel cannot run on this device.
+    # Fail before any data is prepared if the chosen kernel cannot run on this device, or not in the
+    # dtype this precision gives it (else the first step fails, after the data and the compile).
     try:
         if isinstance(task.net, RankingModel):
-            kernels.check_backend(task.net.config.attn_backend, trainer.strategy.root_device)
-            if task.net.config.fused_mlp:
-                kernels.check_mlp_backend(task.net.config.mlp_backend, trainer.strategy.root_device)
+            net, device = task.net.config, trainer.strategy.root_device
+            kernels.check_backend(net.attn_backend, device)
+            if net.fused_mlp:
+                kernels.check_mlp_backend(net.mlp_backend, device)
+            if net.attn_backend != "auto":
+                q = torch.empty(0, net.num_heads, net.head_dim, dtype=kernel_dtype(trainer.precision), device=device)
+                reason = kernels.get_backend(net.attn_backend).unsupported_reason(q)
+                if reason is not None:
+                    raise kernels.BackendUnavailableError(
+                        f"block_attention backend {net.attn_backend!r} does not support {reason}, as this model "
+                        f"(model.net.d_model={net.d_model}, num_heads={net.num_heads}) under "
+                        f"trainer.precision={trainer.precision} would call it: change them or the backend")
     except kernels.BackendUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -54,6 +54,11 @@ CASES = {
     "unknown attention backend": (
         TRAIN + ["--attn=cuda"], "'auto', 'reference', 'fa2', 'flex', 'triton', 'tlx']. Got value: cuda"
     ),
+    "attention backend that cannot take the model's heads": (
+        TRAIN + ["--attn=triton"],  # tiny.yaml's 2 heads of 16 (the test suite sets TRITON_INTERPRET=1)
+        "block_attention backend 'triton' does not support head_dim 16 (the Triton kernels take 32, 64, 128), as "
+        "this model (model.net.d_model=32, num_heads=2) under trainer.precision=32-true would call it",
+    ),
     "unknown sharding type": (
         TRAIN + ["--sharding.sharding_type=diagonal"],
         "'table_wise', 'row_wise', 'column_wise', 'data_parallel']. Got value: diagonal",

@@ -104,7 +104,7 @@ def test_rerun_reuses_finished_runs_and_report_rerenders(tiny, capsys):
     (out / "compare.md").unlink()
     code, stdout, _ = call_main(args, capsys)
     assert code == 0
-    assert stdout.count("reusing the finished run") == 4 and "training" not in stdout
+    assert stdout.count("reusing the finished run") == 4 and "training 0 runs" in stdout and "training (log" not in stdout
     assert (out / "compare.md").exists()
     (out / "loss_curves.png").unlink()
     assert call_main(["report", str(out)], capsys)[0] == 0

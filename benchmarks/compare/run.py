@@ -20,6 +20,7 @@ import kernels
 from benchmarks.bench_attention import device_name, versions
 from kernels.testing import parity
 from models.baselines import BLOCK_ATTENTION
+from train import kernel_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 COMPARABLE_BACKENDS = tuple(name for name in kernels.BACKENDS if name != "auto")
@@ -128,18 +129,6 @@ def resolve_config(config_files: list[str], passthrough: list[str], backend: str
         reason = next((line for line in reversed(lines) if "error:" in line), lines[-1] if lines else "no output")
         raise CompareError(f"train.py rejects the config or extra arguments: {reason.strip()}")
     return yaml.safe_load(result.stdout)
-
-
-def kernel_dtype(precision: str) -> torch.dtype:
-    """The dtype the attention kernels see under a Lightning `trainer.precision` setting."""
-    precision = str(precision)
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    if precision.startswith("64"):
-        return torch.float64
-    return torch.float32
 
 
 def training_device(accelerator) -> torch.device:
