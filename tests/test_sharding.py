@@ -56,7 +56,11 @@ def _free_port() -> int:
 
 
 def launch(scenario: str, tmp_path: Path, args: dict, world_size: int = 2, timeout: float = 120) -> list:
-    """Run scenario on world_size ranks as torchrun would; returns each rank's result."""
+    """Run scenario on world_size ranks as torchrun would; returns each rank's result.
+
+    Subprocesses, not torch.multiprocessing.spawn: the Lightning scenario sets up its process group from
+    torchrun's env vars (so a free port and a retry when another process takes it first are needed
+    anyway), spawn's join has no timeout for a hung rank, and each rank's log file is what a failure shows."""
     for attempt in range(2):
         out = tmp_path / f"{scenario}-{world_size}-{time.monotonic_ns()}"
         out.mkdir()

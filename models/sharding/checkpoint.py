@@ -33,7 +33,12 @@ def _optimizer_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list
 
 
 def _named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
-    """optimizer.state_dict() keyed by parameter name instead of position, so it loads into any world size."""
+    """optimizer.state_dict() keyed by parameter name instead of position, so it loads into any world size.
+
+    Not torch.distributed.checkpoint.state_dict.get/set_optimizer_state_dict (checked on torch 2.13): they
+    look DMP's names up as attributes (fail on the DMP), step an optimizer with no state on every save
+    (AdamW's step count moves), and fail or skip silently on parameters a new plan adds or drops, where
+    this starts those fresh and names the unknown ones; torchrec's KeyedOptimizerWrapper steps at the real lr."""
     names = _optimizer_names(optimizer, model)
     state = optimizer.state_dict()
     return {
