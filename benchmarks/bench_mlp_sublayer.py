@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.bench_attention import describe, device_name, make_timer, replay_ms, versions
+from benchmarks.harness import describe, device_name, make_timer, replay_ms, versions
 from kernels import available_backends, mlp_sublayer, mlp_sublayer_reference
 
 IMPLS = ("unfused_eager", "unfused_compiled", "triton", "tlx")

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_attention import replay_ms  # noqa: E402
+from benchmarks.harness import replay_ms  # noqa: E402
 from kernels import block_attention, block_table, check_backend, get_backend  # noqa: E402
 
 TINY = (4, 256, 4, 64)  # (B, S, H, D): a few microseconds of device work

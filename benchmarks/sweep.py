@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_attention import (
-    DTYPES, PASSES, Impl, bench_impl, device_name, free_memory, make_inputs, make_timer, measure_copy_bw_tbps,
-    our_impl, parse_shape, versions,
-)
+from benchmarks.attention_impls import Impl, our_impl
+from benchmarks.attention_workload import DTYPES, PASSES, make_inputs, parse_shape
+from benchmarks.bench_attention import bench_impl
+from benchmarks.harness import device_name, free_memory, make_timer, measure_copy_bw_tbps, versions
 from kernels.tlx_aot import TUNING_VARIANTS
 
 # name -> (fwd, bwd) LaunchConfig fields over the production ones (kernels.block_attention_triton).

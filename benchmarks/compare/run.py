@@ -17,7 +17,7 @@ import torch
 import yaml
 
 import kernels
-from benchmarks.bench_attention import device_name, versions
+from benchmarks.harness import device_name, versions
 from kernels.testing import parity
 from models.baselines import BLOCK_ATTENTION
 from train import kernel_dtype
