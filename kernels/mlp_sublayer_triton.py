@@ -313,8 +313,7 @@ def _layer_norm_bwd_tiles(
 
 # Rows a LayerNorm program takes at a time: its fp32 rows are D wide, so few rows keep them in
 # registers; the backward's programs take LAYER_NORM_BWD_CHUNKS such blocks, for fewer partial sums,
-# over 2 warps: 0.24 ms against 0.37 at 4 for the gemms plan's call at configs/gpu.yaml's shape, and
-# 0.17 against 0.16 for the TLX backward's (H200, benchmarks/results/mlp_sublayer_h200.md's probe).
+# over 2 warps, faster than 4 on the H200 at configs/gpu.yaml's shape (benchmarks/results/mlp_sublayer_h200.md).
 LAYER_NORM_ROWS = 16
 LAYER_NORM_BWD_CHUNKS = 8
 LAYER_NORM_BWD_WARPS = 2
@@ -380,8 +379,8 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
     if plan == "gemms":
         # A GEMM's tiles, a 3-deep pipeline of its K steps. The forward's: 128 x 128 over 8 warps.
         # The backward's: 64 x 64 over 4: with K = d_model its epilogue (GELU and its derivative)
-        # outweighs its matmul, and small programs overlap more of them (0.57 ms against 0.93 at
-        # 128 x 128 on the H200, benchmarks/results/mlp_sublayer_h200.md).
+        # outweighs its matmul, and small programs overlap more of them (faster than 128 x 128 on the
+        # H200: benchmarks/results/mlp_sublayer_h200.md's rounds).
         wide = direction == "fwd"
         default = LaunchConfig(plan=plan, block_m=128 if wide else 64, block_n=128 if wide else 64,
                                num_warps=8 if wide else 4, num_stages=3)
