@@ -46,21 +46,10 @@ from models.flops import sample_token_counts, train_step_flops
 from models import memory
 from training.callbacks import CheckpointConfig, LastCheckpoint, RunProgressBar, StepMetrics, continue_metrics
 from training.pipeline import PipelinedTrainingStep
+from training.precision import kernel_dtype
 from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
-
-
-def kernel_dtype(precision: str) -> torch.dtype:
-    """The dtype the attention kernels see under a Lightning `trainer.precision` setting."""
-    precision = str(precision)
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    if precision.startswith("64"):
-        return torch.float64
-    return torch.float32
 
 
 @dataclass

@@ -338,8 +338,9 @@ def _group_start(sorted_groups: np.ndarray) -> np.ndarray:
 def history_lists(user: np.ndarray, item: np.ndarray, earlier: np.ndarray, max_len: int) -> pa.ListArray:
     """Per row of rows grouped by user and ordered by time: the user's `earlier` (count) items before
     it, the latest max_len of them, oldest first (each a contiguous slice of `item`)."""
-    history_end = _group_start(user) + earlier
-    history_start = np.maximum(_group_start(user), history_end - max_len)
+    group_start = _group_start(user)
+    history_end = group_start + earlier
+    history_start = np.maximum(group_start, history_end - max_len)
     lengths = history_end - history_start
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     token_source = np.repeat(history_start - offsets[:-1], lengths) + np.arange(offsets[-1])

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from data.batch import Batch
 from models.flops import peak_flops
+from training.precision import kernel_dtype
 
 
 @dataclass
@@ -59,8 +60,7 @@ class StepMetrics(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.peak_flops is None:
-            dtype = {"bf16": torch.bfloat16, "16": torch.float16}.get(str(trainer.precision).split("-")[0])
-            self.peak_flops = peak_flops(trainer.strategy.root_device, dtype)
+            self.peak_flops = peak_flops(trainer.strategy.root_device, kernel_dtype(trainer.precision))
 
     def _mark(self, device: torch.device):
         if device.type != "cuda":

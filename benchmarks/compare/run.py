@@ -20,7 +20,7 @@ import kernels
 from benchmarks.harness import device_name, versions
 from kernels.testing import parity
 from models.baselines import BLOCK_ATTENTION
-from train import kernel_dtype
+from training.precision import kernel_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 COMPARABLE_BACKENDS = tuple(name for name in kernels.BACKENDS if name != "auto")
