@@ -405,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(task.net, RankingModel):
             net, device = task.net.config, trainer.strategy.root_device
             kernels.check_backend(net.attn_backend, device)
+            if net.fused_attention:
+                kernels.check_attention_sublayer_backend(net.attention_sublayer_backend, device)
             if net.fused_mlp:
                 kernels.check_mlp_backend(net.mlp_backend, device)
             if net.attn_backend != "auto":

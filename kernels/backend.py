@@ -130,4 +130,6 @@ def kernel_ops(
         return call((q, k, v, *table.tensors(), cos, sin), bool(rotate_v), launch)
 
     run.forward_op, run.backward_op = forward_op, backward_op
+    # For ops that run this attention inside their own (kernels/attention_sublayer_kernels.py).
+    run.forward_launcher, run.backward_launcher = forward_launcher, backward_launcher
     return run

@@ -24,105 +24,48 @@ repeatable.
 """
 
 import importlib
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .backend import launch_json
-from .dispatch import backend_unavailable_reason, check_backend
 from .eager import op_or_eager
 from .mlp_sublayer_reference import mlp_sublayer_reference
+from .sublayer_dispatch import (
+    SublayerBackend,
+    SublayerBackends,
+    check_sublayer_inputs,
+    check_sublayer_parameters,
+)
 
-# Backend <name> is the module kernels/mlp_sublayer_<name>.py (a kernel backend's exports `MLP_BACKEND`).
-MLP_BACKEND_MODULES = {name: f"kernels.mlp_sublayer_{name}" for name in ("reference", "triton", "tlx")}
-MLP_BACKENDS = ("auto", *MLP_BACKEND_MODULES)
-# Fastest first on a GPU; the reference alone on a CPU (the Triton interpreter runs only when named).
-MLP_AUTO_ORDER = ("tlx", "triton", "reference")
 
-
-@dataclass(frozen=True)
-class MlpBackend:
-    name: str
-    # Why it cannot take x [T, D] with this hidden width and compute dtype, or None if it can.
-    unsupported_reason: Callable[[torch.Tensor, int, torch.dtype], str | None]
-    # (x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch) -> y; weights already in the compute dtype.
-    run: Callable[..., torch.Tensor]
-    # The kernel backend's forward/backward custom ops (tests opcheck them); None for the reference.
-    ops: Callable[..., torch.Tensor] | None = None
+# A backend's run: (x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch) -> y.
 
 
 def _reference_run(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     return mlp_sublayer_reference(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, compute_dtype=w1.dtype)
 
 
-REFERENCE_BACKEND = MlpBackend("reference", lambda x, hidden, dtype: None, _reference_run)
+REFERENCE_BACKEND = SublayerBackend("reference", lambda x, hidden, dtype: None, _reference_run)
 
-_loaded: dict[str, MlpBackend] = {}
-
-
-def get_mlp_backend(name: str) -> MlpBackend:
-    if name not in MLP_BACKEND_MODULES:
-        raise ValueError(f"unknown mlp_sublayer backend {name!r}; choose one of {', '.join(MLP_BACKENDS)}")
-    if name == "reference":
-        return REFERENCE_BACKEND
-    if name not in _loaded:
-        _loaded[name] = importlib.import_module(MLP_BACKEND_MODULES[name]).MLP_BACKEND
-    return _loaded[name]
-
-
-def check_mlp_backend(name: str, device: torch.device | str) -> None:
-    """Raises BackendUnavailableError (saying why and how to get it) if `name` can't run on `device`,
-    and imports the backend module(s) it may use, so that no import happens inside a compiled region."""
-    device = torch.device(device)
-    if name not in MLP_BACKENDS:
-        raise ValueError(f"unknown mlp_sublayer backend {name!r}; choose one of {', '.join(MLP_BACKENDS)}")
-    if name == "auto":
-        for candidate in MLP_AUTO_ORDER if device.type != "cpu" else ():
-            if candidate == "reference" or backend_unavailable_reason(candidate, device) is None:
-                get_mlp_backend(candidate)
-        return
-    if name != "reference":
-        check_backend(name, device)
-    get_mlp_backend(name)
-
-
-def _resolve(name: str, x: torch.Tensor, hidden: int, compute_dtype: torch.dtype) -> MlpBackend:
-    if name != "auto":
-        if name != "reference":
-            check_backend(name, x.device)  # same machine requirements as block attention's backend
-        backend = get_mlp_backend(name)
-        reason = backend.unsupported_reason(x, hidden, compute_dtype)
-        if reason is not None:
-            raise ValueError(f"mlp_sublayer backend {name!r} does not support {reason}")
-        return backend
-    if x.device.type == "cpu":
-        return REFERENCE_BACKEND
-    for candidate in MLP_AUTO_ORDER:
-        if candidate != "reference" and backend_unavailable_reason(candidate, x.device) is not None:
-            continue
-        backend = get_mlp_backend(candidate)
-        if backend.unsupported_reason(x, hidden, compute_dtype) is None:
-            return backend
-    return REFERENCE_BACKEND
+BACKENDS = SublayerBackends(
+    "mlp_sublayer", REFERENCE_BACKEND, ("tlx", "triton"),
+    lambda name: importlib.import_module(f"kernels.mlp_sublayer_{name}").MLP_BACKEND)
+# Backend <name> is the module kernels/mlp_sublayer_<name>.py (a kernel backend's exports `MLP_BACKEND`).
+MLP_BACKENDS = BACKENDS.names
+# Fastest first on a GPU; the reference alone on a CPU (the Triton interpreter runs only when named).
+MLP_AUTO_ORDER = BACKENDS.auto_order
+get_mlp_backend = BACKENDS.get
+check_mlp_backend = BACKENDS.check
 
 
 def _validate(x, norm_weight, norm_bias, w1, b1, w2, b2) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"x must be (total_tokens, d_model), got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    check_sublayer_inputs(x)
     d_model, hidden = x.shape[1], w1.shape[0]
-    expected = {"norm_weight": (d_model,), "norm_bias": (d_model,), "w1": (hidden, d_model), "b1": (hidden,),
-                "w2": (d_model, hidden), "b2": (d_model,)}
-    for name, tensor in zip(expected, (norm_weight, norm_bias, w1, b1, w2, b2)):
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; x [T, {d_model}] and w1 [{hidden}, ...] "
-                             f"need {expected[name]}")
-        if tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device} and x on {x.device}; all must share a device")
-        if not tensor.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+    shapes = {"norm_weight": (d_model,), "norm_bias": (d_model,), "w1": (hidden, d_model), "b1": (hidden,),
+              "w2": (d_model, hidden), "b2": (d_model,)}
+    check_sublayer_parameters(x, dict(zip(shapes, (norm_weight, norm_bias, w1, b1, w2, b2))), shapes,
+                              f"x [T, {d_model}] and w1 [{hidden}, ...]")
 
 
 def mlp_sublayer(
@@ -145,15 +88,13 @@ def mlp_sublayer(
     autocast dtype when autocast is on (as nn.Linear would), else in the weights' dtype; LayerNorm
     and GELU in fp32; the result has x's dtype. `launch` overrides a kernel backend's launch settings.
     """
-    if backend not in MLP_BACKENDS:
-        raise ValueError(f"unknown mlp_sublayer backend {backend!r}; choose one of {', '.join(MLP_BACKENDS)}")
     _validate(x, norm_weight, norm_bias, w1, b1, w2, b2)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = w1.dtype
-    chosen = _resolve(backend, x, w1.shape[0], compute_dtype)
+    chosen = BACKENDS.resolve(backend, x, w1.shape[0], compute_dtype=compute_dtype)
     if launch and chosen.ops is None:
         raise ValueError(f"the {chosen.name} mlp_sublayer backend has no launch settings to override, got {launch}")
     # Cast outside the ops, as autocast casts nn.Linear's weights: autograd casts their gradients back.

@@ -36,14 +36,15 @@ try:
 
     # One GELU (and its derivative) for both backends; LayerNorm's backward is the Triton kernel's.
     from .mlp_sublayer_triton import _backward as _triton_backward
-    from .mlp_sublayer_triton import _gelu, _gelu_and_grad, layer_norm_backward
+    from .sublayer_triton import _gelu, _gelu_and_grad, layer_norm_backward
 
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
     HAS_TLX = False
 
 from .backend import launch_overrides
-from .mlp_dispatch import MlpBackend, mlp_kernel_ops
+from .mlp_dispatch import mlp_kernel_ops
+from .sublayer_dispatch import SublayerBackend
 from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
 
 SUPPORTED_D_MODELS = (64, 128, 256)
@@ -480,4 +481,4 @@ def tlx_mlp_unsupported_reason(x: torch.Tensor, hidden: int, compute_dtype: torc
     return None
 
 
-MLP_BACKEND = MlpBackend("tlx", tlx_mlp_unsupported_reason, _run_ops, ops=_run_ops)
+MLP_BACKEND = SublayerBackend("tlx", tlx_mlp_unsupported_reason, _run_ops, ops=_run_ops)

@@ -1,4 +1,6 @@
 """Plain-Triton fused MLP sublayer, in two plans per direction (LaunchConfig.plan); see mlp_dispatch.py.
+The LayerNorm kernels and the GEMMs with fused prologues/epilogues that the "gemms" plan runs are
+kernels/sublayer_triton.py's, shared with the attention sublayer.
 
 Invariants the kernels rely on:
 - "tiles": a program owns BLOCK_M consecutive tokens (rows of x [T, D], D = d_model a power of two,
@@ -17,7 +19,6 @@ Invariants the kernels rely on:
 """
 
 import functools
-import os
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -26,45 +27,27 @@ import triton.language as tl
 
 from .backend import launch_overrides
 from .dispatch import get_backend
-from .mlp_dispatch import MlpBackend, mlp_kernel_ops
+from .mlp_dispatch import mlp_kernel_ops
+from .sublayer_dispatch import SublayerBackend
+from .sublayer_triton import (
+    _gelu,
+    _gelu_and_grad,
+    _gemm_tile,
+    _layer_norm_backward_rows,
+    _layer_norm_rows,
+    _row_stats,
+    _store_column_parts,
+    bias_gemm,
+    dot_precision,
+    k_chunk,
+    launch,
+    layer_norm_backward,
+    layer_norm_forward,
+    residual_gemm,
+    rows_contiguous,
+)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D: tl.constexpr):
-    """x̂ = (x - mean) * rstd and LN(x) = x̂ * weight + bias of fp32 rows x [M, D]."""
-    cols = tl.arange(0, D)
-    x_hat = (x - mean[:, None]) * rstd[:, None]
-    weight = tl.load(norm_weight_ptr + cols).to(tl.float32)
-    bias = tl.load(norm_bias_ptr + cols).to(tl.float32)
-    return x_hat, x_hat * weight[None, :] + bias[None, :]
-
-
-@triton.jit
-def _row_stats(x, eps, D: tl.constexpr):
-    """LayerNorm's mean and 1/std of fp32 rows x [M, D]."""
-    mean = tl.sum(x, 1) / D
-    centered = x - mean[:, None]
-    return mean, 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
-
-
-@triton.jit
-def _normal_cdf(h):
-    return 0.5 * (1.0 + tl.erf(h * 0.7071067811865476))
-
-
-@triton.jit
-def _gelu(h):
-    return h * _normal_cdf(h)
-
-
-@triton.jit
-def _gelu_and_grad(h):
-    """GELU(h) and GELU'(h) from one erf (the costly part: the backward's epilogues are bound by it)."""
-    cdf = _normal_cdf(h)
-    return h * cdf, cdf + h * 0.3989422804014327 * tl.exp(-0.5 * h * h)
 
 
 @triton.jit
@@ -100,92 +83,6 @@ def _mlp_sublayer_fwd(
     tl.store(y_ptr + rows64[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(mean_ptr + rows, mean, mask=row_ok)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
-
-
-@triton.jit
-def _layer_norm_fwd_rows(
-    x_ptr, norm_weight_ptr, norm_bias_ptr, normed_ptr, mean_ptr, rstd_ptr, T, x_stride, eps,
-    D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """LN(x) in normed_ptr's dtype (the first GEMM's operand) and the statistics the backward reuses."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, D)
-    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    mean, rstd = _row_stats(x, eps, D)
-    _, normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)
-    tl.store(normed_ptr + rows64[:, None] * D + cols[None, :], normed.to(normed_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(mean_ptr + rows, mean, mask=row_ok)
-    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
-
-
-@triton.jit
-def _hidden_width_tile(a_ptr, b_ptr, T, H, D: tl.constexpr, B_IS_W1: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """This program's [BLOCK_M, BLOCK_N] fp32 tile of A [T, D] · B, B [D, H] being W1ᵀ (W1 [H, D])
-    or W2 [D, H] itself; with its rows, hidden columns and their masks. The column tiles of one row
-    tile are consecutive programs: they run side by side and read their A rows from L2, not HBM."""
-    column_tiles = tl.cdiv(H, BLOCK_N)
-    tile_m = tl.program_id(0) // column_tiles
-    tile_n = tl.program_id(0) % column_tiles
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
-    hcols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    hcol_ok = hcols < H
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
-        if B_IS_W1:
-            b = tl.load(b_ptr + hcols[None, :] * D + ks[:, None], mask=hcol_ok[None, :], other=0.0)
-        else:
-            b = tl.load(b_ptr + ks[:, None] * H + hcols[None, :], mask=hcol_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return acc, tile_m, rows64, row_ok, hcols, hcol_ok
-
-
-@triton.jit
-def _hidden_gemm(
-    normed_ptr, w1_ptr, b1_ptr, hidden_ptr, T, H,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One [BLOCK_M, BLOCK_N] tile of the pre-activation LN(x) · W1ᵀ + b1, rounded to the compute dtype."""
-    dtype = w1_ptr.dtype.element_ty
-    acc, _, rows64, row_ok, hcols, hcol_ok = _hidden_width_tile(normed_ptr, w1_ptr, T, H, D, True, BLOCK_M, BLOCK_N,
-                                                                BLOCK_K, DOT_PRECISION)
-    hidden = (acc + tl.load(b1_ptr + hcols, mask=hcol_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
-    tl.store(hidden_ptr + rows64[:, None] * H + hcols[None, :], hidden, mask=row_ok[:, None] & hcol_ok[None, :])
-
-
-@triton.jit
-def _output_gemm(
-    hidden_ptr, w2_ptr, b2_ptr, x_ptr, y_ptr, T, H, x_stride,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """BLOCK_M whole rows of y = x + (GELU(pre-activation) · W2ᵀ + b2): GELU runs on the A operand
-    as it loads, so its output never reaches HBM (all D columns in one program: once per element),
-    and the residual is the epilogue's."""
-    dtype = w2_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, D)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        # BLOCK_K divides H (block_h): no column mask.
-        hidden = tl.load(hidden_ptr + rows64[:, None] * H + ks[None, :], mask=row_ok[:, None], other=0.0)
-        activation = _gelu(hidden.to(tl.float32)).to(dtype)
-        w2 = tl.load(w2_ptr + cols[None, :] * H + ks[:, None])  # W2ᵀ [K, N]
-        acc = tl.dot(activation, w2, acc, input_precision=DOT_PRECISION)
-    # The second linear's output is rounded to the compute dtype before the residual, as nn.Linear's is.
-    out = (acc + tl.load(b2_ptr + cols).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], (x + out).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -241,8 +138,8 @@ def _hidden_grad_gemm(
     (dW2's operand) and dH's column sums (b1's gradient) from the same epilogue: the [T, H] product
     of the first GEMM never reaches HBM, and the saved pre-activation is read once."""
     dtype = w2_ptr.dtype.element_ty
-    acc, tile_m, rows64, row_ok, hcols, hcol_ok = _hidden_width_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M,
-                                                                     BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc, tile_m, rows64, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M, BLOCK_N,
+                                                             BLOCK_K, DOT_PRECISION)
     # Loaded after the matmul, not before: held across it, it cost registers and ran slower on the H200.
     offs = rows64[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
@@ -253,86 +150,6 @@ def _hidden_grad_gemm(
     tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
     tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
 
-
-@triton.jit
-def _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y, norm_weight_ptr, dx_ptr, rows64, row_ok, D: tl.constexpr):
-    """LayerNorm's backward for fp32 rows, plus the residual's gradient: dx̂ = dLN * weight,
-    dx = grad_y + rstd (dx̂ - mean(dx̂) - x̂ mean(dx̂ x̂)), stored. Returns the rows' column sums of
-    dLN * x̂, dLN and grad_y: their share of the LN weight's, LN bias's and b2's gradients."""
-    cols = tl.arange(0, D)
-    weight = tl.load(norm_weight_ptr + cols).to(tl.float32)
-    grad_x_hat = grad_normed * weight[None, :]
-    grad_x_hat_mean = tl.sum(grad_x_hat, 1) / D
-    grad_x_hat_dot_mean = tl.sum(grad_x_hat * x_hat, 1) / D
-    dx = grad_y + rstd[:, None] * (grad_x_hat - grad_x_hat_mean[:, None] - x_hat * grad_x_hat_dot_mean[:, None])
-    tl.store(dx_ptr + rows64[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=row_ok[:, None])
-    return tl.sum(grad_normed * x_hat, 0), tl.sum(grad_normed, 0), tl.sum(grad_y, 0)
-
-
-@triton.jit
-def _store_column_parts(column_parts_ptr, tile, sums, D: tl.constexpr):
-    """Row `tile` of the [tiles, 3, D] partial sums (LN weight, LN bias, b2), added in a fixed order later."""
-    cols = tl.arange(0, D)
-    for i in tl.static_range(3):
-        tl.store(column_parts_ptr + (tile * 3 + i) * D + cols, sums[i])
-
-
-@triton.jit
-def _layer_norm_bwd_tiles(
-    grad_normed_ptr, grad_y_ptr, x_ptr, mean_ptr, rstd_ptr, norm_weight_ptr, norm_bias_ptr, dx_ptr, normed_ptr,
-    column_parts_ptr, T, x_stride, grad_y_stride,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, STORE_NORMED: tl.constexpr,
-):
-    """LayerNorm's backward alone, for a backward that computed LN's output gradient outside the
-    token tiles, over CHUNKS blocks of BLOCK_M rows (one row of partial sums per program); with
-    STORE_NORMED it also writes LN(x) in normed_ptr's dtype (dW1's operand), from the x it reads anyway."""
-    tile = tl.program_id(0)
-    cols = tl.arange(0, D)
-    sums = (tl.zeros((D,), tl.float32), tl.zeros((D,), tl.float32), tl.zeros((D,), tl.float32))
-    for chunk in range(CHUNKS):
-        rows = (tile * CHUNKS + chunk) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < T
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        grad_y = tl.load(grad_y_ptr + rows64[:, None] * grad_y_stride + cols[None, :], mask=row_ok[:, None], other=0.0)
-        grad_normed = tl.load(grad_normed_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None],
-                              other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        if STORE_NORMED:
-            x_hat, normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)
-            tl.store(normed_ptr + rows64[:, None] * D + cols[None, :], normed.to(normed_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-        else:
-            x_hat = (x - mean[:, None]) * rstd[:, None]
-        chunk_sums = _layer_norm_backward_rows(grad_normed, x_hat, rstd, grad_y.to(tl.float32), norm_weight_ptr, dx_ptr,
-                                               rows64, row_ok, D)
-        sums = (sums[0] + chunk_sums[0], sums[1] + chunk_sums[1], sums[2] + chunk_sums[2])
-    _store_column_parts(column_parts_ptr, tile, sums, D)
-
-
-# Rows a LayerNorm program takes at a time: its fp32 rows are D wide, so few rows keep them in
-# registers; the backward's programs take LAYER_NORM_BWD_CHUNKS such blocks, for fewer partial sums,
-# over 2 warps, faster than 4 on the H200 at configs/gpu.yaml's shape (benchmarks/results/mlp_sublayer_h200.md).
-LAYER_NORM_ROWS = 16
-LAYER_NORM_BWD_CHUNKS = 8
-LAYER_NORM_BWD_WARPS = 2
-
-
-def layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed=None):
-    """Launches _layer_norm_bwd_tiles (writing LN(x) into `normed` too when given); returns the
-    partial sums [tiles, 3, D] (fp32) of the LN weight's, LN bias's and b2's gradients."""
-    tokens, d_model = x.shape
-    tiles = triton.cdiv(tokens, LAYER_NORM_ROWS * LAYER_NORM_BWD_CHUNKS)
-    # Zeros: an empty batch has no tiles, and its sums are zero.
-    column_parts = torch.zeros((tiles, 3, d_model), dtype=torch.float32, device=x.device)
-    if tokens:
-        args = (grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, dx if normed is None else normed,
-                column_parts, tokens, x.stride(0), grad_y.stride(0))
-        config = LaunchConfig(block_m=LAYER_NORM_ROWS, num_warps=LAYER_NORM_BWD_WARPS)
-        _launch(_layer_norm_bwd_tiles, tiles, x.device, config, args,
-                dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS, CHUNKS=LAYER_NORM_BWD_CHUNKS, STORE_NORMED=normed is not None))
-    return column_parts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,68 +212,40 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
     return replace(default, **overrides)
 
 
-def block_h(hidden: int) -> int:
-    """The widest hidden chunk (64, 32 or 16: tl.dot's minimum) that divides the hidden width."""
-    return next(b for b in (64, 32, 16) if hidden % b == 0)
-
-
 def _constexprs(x: torch.Tensor, w1: torch.Tensor, config: LaunchConfig) -> dict:
-    return dict(D=x.shape[1], BLOCK_M=config.block_m, BLOCK_H=block_h(w1.shape[0]),
-                # fp32 compute is for exactness (tests): no TF32 rounding.
-                DOT_PRECISION="ieee" if w1.dtype == torch.float32 else "tf32")
+    return dict(D=x.shape[1], BLOCK_M=config.block_m, BLOCK_H=k_chunk(w1.shape[0]), DOT_PRECISION=dot_precision(w1.dtype))
 
 
 def _launch(kernel, programs: int, device: torch.device, config: LaunchConfig, args: tuple, constexprs: dict):
-    grid = (programs,)
-    if _INTERPRETED or device.type != "cuda":
-        kernel[grid](*args, **constexprs)
-        return
-    with torch.cuda.device(device):
-        kernel[grid](*args, **constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    launch(kernel, programs, device, args, constexprs, config.num_warps, config.num_stages)
 
 
 def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     tokens, d_model = x.shape
     hidden_width = w1.shape[0]
-    x = _rows_contiguous(x)
+    x = rows_contiguous(x)
     w1, b1, w2, b2, norm_weight, norm_bias = (t.contiguous() for t in (w1, b1, w2, b2, norm_weight, norm_bias))
+    config = launch_config("fwd", d_model, launch)
+    launch_config("bwd", d_model, launch)  # a bad backward setting fails here, not in the backward pass
+    if config.plan == "gemms":
+        normed, mean, rstd = layer_norm_forward(x, norm_weight, norm_bias, eps, w1.dtype)
+        hidden = bias_gemm(normed, w1, b1, config.block_m, config.block_n, config.num_warps, config.num_stages)
+        # GELU runs on the saved pre-activation as the output GEMM loads it.
+        y = residual_gemm(hidden, w2, b2, x, True, config.block_m, config.num_warps, config.num_stages)
+        return y, hidden, mean, rstd
     y = torch.empty((tokens, d_model), dtype=x.dtype, device=x.device)
     hidden = torch.empty((tokens, hidden_width), dtype=w1.dtype, device=x.device)
     mean = torch.empty(tokens, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    config = launch_config("fwd", d_model, launch)
-    launch_config("bwd", d_model, launch)  # a bad backward setting fails here, not in the backward pass
-    if tokens == 0:
-        return y, hidden, mean, rstd
-    constexprs = _constexprs(x, w1, config)
-    if config.plan == "tiles":
+    if tokens:
         args = (x, norm_weight, norm_bias, w1, b1, w2, b2, y, hidden, mean, rstd, tokens, hidden_width, x.stride(0), eps)
-        _launch(_mlp_sublayer_fwd, triton.cdiv(tokens, config.block_m), x.device, config, args, constexprs)
-        return y, hidden, mean, rstd
-    normed = torch.empty((tokens, d_model), dtype=w1.dtype, device=x.device)
-    _launch(_layer_norm_fwd_rows, triton.cdiv(tokens, LAYER_NORM_ROWS), x.device, LaunchConfig(),
-            (x, norm_weight, norm_bias, normed, mean, rstd, tokens, x.stride(0), eps),
-            dict(D=d_model, BLOCK_M=LAYER_NORM_ROWS))
-    row_tiles = triton.cdiv(tokens, config.block_m)
-    gemm = _gemm_constexprs(constexprs, min(64, d_model), config.block_n)
-    _launch(_hidden_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config,
-            (normed, w1, b1, hidden, tokens, hidden_width), gemm)
-    gemm = _gemm_constexprs(constexprs, block_h(hidden_width))
-    _launch(_output_gemm, row_tiles, x.device, config, (hidden, w2, b2, x, y, tokens, hidden_width, x.stride(0)), gemm)
+        _launch(_mlp_sublayer_fwd, triton.cdiv(tokens, config.block_m), x.device, config, args,
+                _constexprs(x, w1, config))
     return y, hidden, mean, rstd
 
 
-def _gemm_constexprs(constexprs: dict, block_k: int, block_n: int | None = None) -> dict:
-    gemm = {k: v for k, v in constexprs.items() if k != "BLOCK_H"} | {"BLOCK_K": block_k}
-    return gemm if block_n is None else gemm | {"BLOCK_N": block_n}
-
-
 def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
-    x, grad_y = _rows_contiguous(x), _rows_contiguous(grad_y)
+    x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     config = launch_config("bwd", x.shape[1], launch)
     plan = _backward_gemms if config.plan == "gemms" else _backward_tiles
@@ -474,7 +263,8 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=x.device)
     if tokens:
         args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
-        constexprs = _gemm_constexprs(_constexprs(x, w1, config), min(64, d_model), config.block_n)
+        constexprs = dict(D=d_model, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=min(64, d_model),
+                          DOT_PRECISION=dot_precision(w1.dtype))
         _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config, args,
                 constexprs)
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
@@ -518,4 +308,4 @@ def triton_mlp_unsupported_reason(x: torch.Tensor, hidden: int, compute_dtype: t
     return get_backend("triton").unsupported_reason(x.new_empty(0, 1, 32, dtype=compute_dtype))
 
 
-MLP_BACKEND = MlpBackend("triton", triton_mlp_unsupported_reason, _run_ops, ops=_run_ops)
+MLP_BACKEND = SublayerBackend("triton", triton_mlp_unsupported_reason, _run_ops, ops=_run_ops)

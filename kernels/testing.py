@@ -12,6 +12,8 @@ backend's out, dq, dk and dv are compared with the fp64 reference on the same (r
 - every value finite.
 The batch covers the empty sequence, a single token, both sides of a block edge and several
 blocks (EDGE_LENGTHS), and grad_out is strided, so the backward must honour its strides.
+`attention_sublayer_parity` and `mlp_parity` apply the same rule to a fused sublayer's output and the
+gradients of x and of every parameter.
 """
 
 import math
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention_sublayer_dispatch import attention_sublayer
+from .attention_sublayer_reference import attention_sublayer_reference
 from .dispatch import block_attention
 from .mlp_dispatch import mlp_sublayer
 from .mlp_sublayer_reference import mlp_sublayer_reference
@@ -136,6 +140,28 @@ def _judge(result: ParityResult, names, runs, same_precision, truth, dtype: torc
 MLP_OUTPUTS = ("y", "dx", "dnorm_weight", "dnorm_bias", "dw1", "db1", "dw2", "db2")
 
 
+def _sublayer_inputs(tokens: int, d_model: int, first_width: int, second_width: int, first_scale: float,
+                     x_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device, seed: int):
+    """A sublayer's leaves, x [T, D], LayerNorm's weight and bias [D], the first linear's weight
+    [first_width, D] and bias, the second's [D, second_width] and bias, and a strided grad_y [T, D]
+    (the backward must honour its strides): nn.Linear-like scales (the first's `first_scale`), a
+    LayerNorm affine away from its (1, 0) start, x with a per-token offset and scale so the
+    normalization has work to do. Rounded once: the truth sees what the kernel sees."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0, shift=0.0, dtype=compute_dtype):
+        return (torch.randn(*shape, generator=generator) * scale + shift).to(dtype).to(device)
+
+    leaves = [
+        draw(tokens, d_model, dtype=x_dtype) * draw(tokens, 1, scale=0.5, shift=1.0, dtype=x_dtype)
+        + draw(tokens, 1, dtype=x_dtype),
+        draw(d_model, scale=0.1, shift=1.0, dtype=x_dtype), draw(d_model, scale=0.1, dtype=x_dtype),
+        draw(first_width, d_model, scale=first_scale), draw(first_width, scale=0.1),
+        draw(d_model, second_width, scale=second_width ** -0.5), draw(d_model, scale=0.1),
+    ]
+    return leaves, draw(tokens, 2 * d_model, dtype=x_dtype)[:, :d_model]
+
+
 def mlp_parity(
     backend: str,
     *,
@@ -154,21 +180,8 @@ def mlp_parity(
     if None), as under autocast; the error floor is the compute dtype's."""
     device = torch.device(device)
     compute_dtype = compute_dtype or x_dtype
-    generator = torch.Generator().manual_seed(seed)
-
-    def draw(*shape, scale=1.0, shift=0.0, dtype=compute_dtype):
-        return (torch.randn(*shape, generator=generator) * scale + shift).to(dtype).to(device)
-
-    # nn.Linear-like scales; a LayerNorm affine away from its (1, 0) start; x with a per-token offset
-    # and scale, so the normalization has work to do. Rounded once: the truth sees what the kernel sees.
-    leaves = [
-        draw(tokens, d_model, dtype=x_dtype) * draw(tokens, 1, scale=0.5, shift=1.0, dtype=x_dtype)
-        + draw(tokens, 1, dtype=x_dtype),
-        draw(d_model, scale=0.1, shift=1.0, dtype=x_dtype), draw(d_model, scale=0.1, dtype=x_dtype),
-        draw(hidden, d_model, scale=d_model ** -0.5), draw(hidden, scale=0.1),
-        draw(d_model, hidden, scale=hidden ** -0.5), draw(d_model, scale=0.1),
-    ]
-    grad_y = draw(tokens, 2 * d_model, dtype=x_dtype)[:, :d_model]  # strided: the backward must honour it
+    leaves, grad_y = _sublayer_inputs(tokens, d_model, hidden, hidden, d_model ** -0.5, x_dtype, compute_dtype, device,
+                                      seed)
     label = (f"T{tokens} D{d_model} H{hidden} x={str(x_dtype).removeprefix('torch.')} "
              f"compute={str(compute_dtype).removeprefix('torch.')}")
     result = ParityResult(backend, dict(label=label, tokens=tokens, d_model=d_model, hidden=hidden,
@@ -183,4 +196,62 @@ def mlp_parity(
     truth = _out_and_grads(lambda *x: mlp_sublayer_reference(*x, compute_dtype=torch.float64),
                            [x.double() for x in leaves], grad_y.double())
     _judge(result, MLP_OUTPUTS, runs, same_precision, truth, compute_dtype)
+    return result
+
+
+ATTENTION_SUBLAYER_OUTPUTS = ("y", "dx", "dnorm_weight", "dnorm_bias", "dw_qkv", "db_qkv", "dw_out", "db_out")
+
+
+def attention_sublayer_parity(
+    backend: str,
+    *,
+    lengths=EDGE_LENGTHS,
+    num_heads: int = 2,
+    head_dim: int = 32,
+    x_dtype: torch.dtype = torch.bfloat16,
+    compute_dtype: torch.dtype | None = None,
+    rotary: Rotary | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    launch: dict | None = None,
+) -> ParityResult:
+    """Judges an attention_sublayer backend by the module doc's rule on one random ragged batch (the
+    sequence lengths of block attention's parity): y and the gradients of x and of every parameter,
+    against the fp64 reference on the same (rounded) inputs. x (and LayerNorm's affine) are in
+    x_dtype, the linears' weights in compute_dtype (x_dtype if None), as under autocast; the error
+    floor is the compute dtype's."""
+    device = torch.device(device)
+    compute_dtype = compute_dtype or x_dtype
+    d_model = num_heads * head_dim
+    offsets = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = int(offsets[-1])
+    offsets = offsets.to(device)
+    # The q, k, v projection scaled up, so the softmax is not nearly uniform.
+    leaves, grad_y = _sublayer_inputs(tokens, d_model, 3 * d_model, d_model, 2 * d_model ** -0.5, x_dtype,
+                                      compute_dtype, device, seed)
+    rotary_label = "none" if rotary is None else "qkv" if rotary.rotate_v else "qk"
+    label = (f"H{num_heads}x{head_dim} x={str(x_dtype).removeprefix('torch.')} "
+             f"compute={str(compute_dtype).removeprefix('torch.')} rotary={rotary_label} lengths={list(lengths)}")
+    result = ParityResult(backend, dict(label=label, lengths=list(lengths), num_heads=num_heads, head_dim=head_dim,
+                                        x_dtype=str(x_dtype), compute_dtype=str(compute_dtype), rotary=rotary_label,
+                                        device=str(device), seed=seed))
+    cos = sin = None
+    if rotary is not None:
+        cos, sin = rotary_tables(rotary, offsets, tokens, head_dim)
+    rotate_v = rotary is not None and rotary.rotate_v
+
+    def kernel(*x):
+        return attention_sublayer(x[0], offsets, *x[1:], num_heads=num_heads, rotary=rotary, backend=backend,
+                                  launch=launch)
+
+    def reference(*x, compute_dtype, upcast):
+        return attention_sublayer_reference(x[0], offsets, *x[1:], num_heads, cos, sin, rotate_v,
+                                            compute_dtype=compute_dtype, upcast=upcast)
+
+    runs = [_out_and_grads(kernel, leaves, grad_y) for _ in range(2)]
+    same_precision = _out_and_grads(lambda *x: reference(*x, compute_dtype=compute_dtype, upcast=False), leaves,
+                                    grad_y)
+    truth = _out_and_grads(lambda *x: reference(*x, compute_dtype=torch.float64, upcast=True),
+                           [x.double() for x in leaves], grad_y.double())
+    _judge(result, ATTENTION_SUBLAYER_OUTPUTS, runs, same_precision, truth, compute_dtype)
     return result

@@ -34,10 +34,12 @@ from torchrec import (
 from data.batch import Batch
 from data.schema import FeatureSchema
 from kernels import (
+    ATTENTION_SUBLAYER_BACKENDS,
     MLP_BACKENDS,
     AttentionBackend,
     BlockTable,
     Rotary,
+    attention_sublayer,
     block_attention,
     block_table,
     mlp_sublayer,
@@ -61,9 +63,11 @@ class RankingModelConfig:
         rotary_within_block: rotary positions restart at every 64-token block.
         rotate_v: rotate v as well as q and k.
         attn_backend: block_attention backend (kernels.BACKENDS).
-        fused_mlp: run each layer's LayerNorm + MLP + residual as one fused op
-            (kernels.mlp_sublayer), on the attention backend's kernels where it has them (triton,
-            tlx, reference), else on the fastest that runs here; False is the unfused reference path.
+        fused_attention: run each layer's LayerNorm + QKV projection + block attention + output
+            projection + residual as one fused op (kernels.attention_sublayer), on the attention
+            backend's kernels where it has them (triton, tlx, reference), else on the fastest that
+            runs here; False is the unfused reference path.
+        fused_mlp: the same for each layer's LayerNorm + MLP + residual (kernels.mlp_sublayer).
         compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
             head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
         compile_mode: torch.compile's mode; "reduce-overhead" also replays the tower from CUDA graphs,
@@ -83,6 +87,7 @@ class RankingModelConfig:
     rotary_within_block: bool = False
     rotate_v: bool = False
     attn_backend: AttentionBackend = "auto"
+    fused_attention: bool = False
     fused_mlp: bool = False
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
@@ -108,6 +113,11 @@ class RankingModelConfig:
     def mlp_backend(self) -> str:
         """The fused MLP sublayer's backend: the attention backend's own kernels where it has them."""
         return self.attn_backend if self.attn_backend in MLP_BACKENDS else "auto"
+
+    @property
+    def attention_sublayer_backend(self) -> str:
+        """The fused attention sublayer's backend, chosen as the MLP's."""
+        return self.attn_backend if self.attn_backend in ATTENTION_SUBLAYER_BACKENDS else "auto"
 
 
 @dataclass
@@ -151,6 +161,7 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.attn_backend = config.attn_backend
+        self.attention_sublayer_backend = config.attention_sublayer_backend if config.fused_attention else None
         self.mlp_backend = config.mlp_backend if config.fused_mlp else None
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
@@ -159,13 +170,19 @@ class AttentionLayer(nn.Module):
         self.mlp = mlp(config.d_model, config.mlp_ratio * config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor, table: BlockTable, rotary: Rotary) -> torch.Tensor:
-        num_tokens, d_model = x.shape
-        qkv = self.qkv(self.attn_norm(x)).view(num_tokens, 3, self.num_heads, self.head_dim)
-        # Views of one projection: the kernels read them in place (shared strides), no copies.
-        q, k, v = qkv.unbind(dim=1)
         # The table and rotary tables are built once per batch (DenseTower.forward).
-        attn = block_attention(q, k, v, table, rotary=rotary, backend=self.attn_backend)
-        x = x + self.out_proj(attn.reshape(num_tokens, d_model))
+        if self.attention_sublayer_backend is None:
+            num_tokens, d_model = x.shape
+            qkv = self.qkv(self.attn_norm(x)).view(num_tokens, 3, self.num_heads, self.head_dim)
+            # Views of one projection: the kernels read them in place (shared strides), no copies.
+            q, k, v = qkv.unbind(dim=1)
+            attn = block_attention(q, k, v, table, rotary=rotary, backend=self.attn_backend)
+            x = x + self.out_proj(attn.reshape(num_tokens, d_model))
+        else:
+            # The same parameters (and state dict) as the unfused path, in one op.
+            x = attention_sublayer(x, table, self.attn_norm.weight, self.attn_norm.bias, self.qkv.weight, self.qkv.bias,
+                                   self.out_proj.weight, self.out_proj.bias, num_heads=self.num_heads, rotary=rotary,
+                                   eps=self.attn_norm.eps, backend=self.attention_sublayer_backend)
         if self.mlp_backend is None:
             return x + self.mlp(self.mlp_norm(x))
         # The same parameters (and state dict) as the unfused path, in one op.

@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, profile_mlp, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, quality_wait.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
@@ -35,13 +35,15 @@ for s in "$@"; do
     profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
     # Variant rows: each plan of the Triton kernels and launch settings around their defaults, in the same run.
-    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_mlp_sublayer --out "$OUT/mlp_sublayer_h200" --profile \
+    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_h200" --profile \
         --variant triton_tiles triton '{"fwd": {"plan": "tiles"}, "bwd": {"plan": "tiles"}}' \
         --variant triton_gemms_bwd_n128 triton '{"bwd": {"block_n": 128}}' \
         --variant triton_gemms_bwd_m64_w4 triton '{"bwd": {"block_m": 64, "num_warps": 4}}' \
         --variant triton_gemms_bwd_2_stages triton '{"bwd": {"num_stages": 2}}' \
         --variant triton_gemms_fwd_n256 triton '{"fwd": {"block_n": 256}}' \
         --variant tlx_tiles_bwd tlx '{"bwd": {"TRITON_BACKWARD": false}}' ;;
+    # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
+    attention_bench) step attention_bench 500 python3 -m benchmarks.bench_sublayer --sublayer attention --out "$OUT/attention_sublayer_h200" --profile ;;
     # The step with and without the fused MLP sublayer, back to back on one machine.
     profile_mlp) for fused in true false; do
         step profile_fused_mlp_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \

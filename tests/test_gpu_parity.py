@@ -1,5 +1,5 @@
-"""Every block-attention and MLP-sublayer backend this machine can run, judged by kernels.testing.parity
-(mlp_parity) on the GPU.
+"""Every block-attention, attention-sublayer and MLP-sublayer backend this machine can run, judged by
+kernels.testing.parity (attention_sublayer_parity, mlp_parity) on the GPU.
 
 Marked `gpu`: skipped without CUDA (CI has none). On the H200 (scripts/gpu_session.sh, step
 `parity`) it runs as `python3 -m pytest -m gpu -v -s tests/test_gpu_parity.py`, and its log is
@@ -14,8 +14,9 @@ from kernels import (
     AUTO_ORDER, Rotary, available_backends, backend_unavailable_reason, block_attention, block_table, get_backend,
     rotary_tables,
 )
+from kernels.attention_sublayer_dispatch import ATTENTION_SUBLAYER_KERNELS, get_attention_sublayer_backend
 from kernels.mlp_dispatch import MLP_AUTO_ORDER, get_mlp_backend
-from kernels.testing import EDGE_LENGTHS, mlp_parity, parity
+from kernels.testing import EDGE_LENGTHS, attention_sublayer_parity, mlp_parity, parity
 
 pytestmark = [
     pytest.mark.gpu,
@@ -157,3 +158,39 @@ def test_mlp_parity_tlx_variants(variant, d_model, hidden, dtypes):
                             launch=TLX_MLP_VARIANTS[variant])
         print(result.summary())
         assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("dtypes", MLP_DTYPES)
+@pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (2, 128)))
+@pytest.mark.parametrize("backend", ATTENTION_SUBLAYER_KERNELS)
+def test_attention_sublayer_parity(backend, num_heads, head_dim, dtypes, rotary):
+    """The fused attention sublayer by the project's rule on the ragged batch of block attention's GPU
+    parity (several hundred blocks), d_model 256 in heads of 64 and 128."""
+    x_dtype, compute_dtype = MLP_DTYPES[dtypes]
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available on this machine")
+    reason = get_attention_sublayer_backend(backend).unsupported_reason(
+        torch.empty(1, num_heads * head_dim, dtype=x_dtype, device="cuda"), num_heads, compute_dtype)
+    if reason is not None:
+        pytest.skip(f"{backend} does not take {reason}")
+    result = attention_sublayer_parity(backend, lengths=RAGGED, num_heads=num_heads, head_dim=head_dim,
+                                       x_dtype=x_dtype, compute_dtype=compute_dtype, rotary=ROTARY[rotary],
+                                       device="cuda")
+    print(result.summary())
+    assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("backend", ATTENTION_SUBLAYER_KERNELS)
+def test_attention_sublayer_custom_ops_pass_opcheck_on_gpu(backend):
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available on this machine")
+    ops = get_attention_sublayer_backend(backend).ops
+    offsets = torch.tensor([0, 3, 73, 273], dtype=torch.int32, device="cuda")
+    table = block_table(offsets, 273)
+    cos, sin = rotary_tables(Rotary(), offsets, 273, 64)
+    x, nw, nb = (torch.randn(*shape, device="cuda", requires_grad=True) for shape in ((273, 256), (256,), (256,)))
+    w_qkv, b_qkv, w_out, b_out = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                                  for shape in ((768, 256), (768,), (256, 256), (256,)))
+    torch.library.opcheck(ops.forward_op, (x, nw, nb, w_qkv, b_qkv, w_out, b_out, *table.tensors(), cos, sin, 4, False,
+                                           1e-5, ""))

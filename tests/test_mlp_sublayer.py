@@ -51,7 +51,7 @@ def test_parity_rule_catches_a_wrong_gradient(monkeypatch):
         return dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts * skew
 
     run = dispatcher.mlp_kernel_ops("triton_skewed_for_test", triton_mlp._forward, skewed)
-    monkeypatch.setitem(dispatcher._loaded, "triton", dataclasses.replace(get_mlp_backend("triton"), run=run))
+    monkeypatch.setitem(dispatcher.BACKENDS.loaded, "triton", dataclasses.replace(get_mlp_backend("triton"), run=run))
     result = mlp_parity("triton", tokens=100, d_model=32, hidden=64, x_dtype=torch.float32)
     assert {failure.split()[0] for failure in result.failures} == {"dnorm_weight"}
 
@@ -208,7 +208,7 @@ def test_public_api_compiles_without_graph_breaks():
 def test_layer_norm_backward_kernel_matches_autograd():
     """The standalone LayerNorm-backward kernel (the TLX backward's second pass): dx (with the
     residual's grad_y) and the affine's partial sums, against autograd of F.layer_norm, fp32."""
-    from kernels.mlp_sublayer_triton import layer_norm_backward
+    from kernels.sublayer_triton import layer_norm_backward
 
     generator = torch.Generator().manual_seed(11)
     tokens, d_model = 100, 64
@@ -253,14 +253,14 @@ def test_tlx_configs_fit_and_knobs_are_checked():
 
 
 def test_benchmark_runs_variants_on_cpu(tmp_path):
-    """benchmarks/bench_mlp_sublayer.py end to end at a tiny shape: every row timed and checked
+    """benchmarks/bench_sublayer.py end to end at a tiny shape: every row timed and checked
     against the unfused path, a --variant row labelled as given and run with its launch settings."""
     import json
 
-    from benchmarks import bench_mlp_sublayer
+    from benchmarks import bench_sublayer
 
     out = tmp_path / "mlp"
-    bench_mlp_sublayer.main(["--out", str(out), "--device", "cpu", "--tokens", "80", "--d-model", "32", "--hidden",
+    bench_sublayer.main(["--out", str(out), "--device", "cpu", "--tokens", "80", "--d-model", "32", "--hidden",
                              "64", "--dtype", "float32", "--impls", "unfused_eager", "triton", "--warmup-ms", "1",
                              "--rep-ms", "1", "--variant", "triton_tiles_bwd", "triton",
                              '{"bwd": {"plan": "tiles"}}', "--variant", "bad_plan", "triton",

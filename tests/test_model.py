@@ -242,29 +242,39 @@ def test_compiled_model_matches_eager_on_cpu(model):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("mlp_backend", ("reference", "triton"))
-def test_fused_mlp_switch_keeps_the_model(model, mlp_backend):
-    """model.net.fused_mlp runs each layer's MLP sublayer as one op on the same parameters (and state
-    dict): the reference op is bitwise the unfused path; the Triton kernels (interpreter, fp32) match
-    it, loss and every gradient, eager and (the kernels' custom ops inside inductor's graph) compiled."""
-    if mlp_backend == "triton":
+# Each fused-sublayer switch, and the layer attribute naming its backend.
+FUSED_SWITCHES = {"fused_attention": "attention_sublayer_backend", "fused_mlp": "mlp_backend"}
+
+
+@pytest.mark.parametrize("backend", ("reference", "triton"))
+@pytest.mark.parametrize("switch", FUSED_SWITCHES)
+def test_fused_sublayer_switch_keeps_the_model(switch, backend):
+    """model.net.fused_attention / fused_mlp run each layer's sublayer as one op on the same
+    parameters (and state dict): the reference op is bitwise the unfused path; the Triton kernels
+    (interpreter, fp32) match it, loss and every gradient, eager and (the kernels' custom ops inside
+    inductor's graph) compiled. d_model 64 in 2 heads: head_dim 32, the Triton attention's smallest."""
+    if backend == "triton":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+    config = dataclasses.replace(CONFIG, d_model=64, attn_backend="reference")
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, config)
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
     expected_loss = model.loss(model(batch)[0], batch.labels)
     expected_grads = torch.autograd.grad(expected_loss, list(model.parameters()))
-    for compile in (False,) if mlp_backend == "reference" else (False, True):
-        fused = RankingModel(SCHEMA, dataclasses.replace(CONFIG, attn_backend="reference", fused_mlp=True,
-                                                         compile=compile, pad_tokens_to=64 if compile else 0))
-        assert fused.config.mlp_backend == "reference"
-        # The attention backend names the MLP's kernels; set it after the attention check above.
+    attribute = FUSED_SWITCHES[switch]
+    for compile in (False,) if backend == "reference" else (False, True):
+        fused = RankingModel(SCHEMA, dataclasses.replace(config, compile=compile, pad_tokens_to=64 if compile else 0,
+                                                         **{switch: True}))
+        assert getattr(fused.config, attribute) == "reference"
+        # The attention backend names the sublayer's kernels; set it after the attention check above.
         for layer in fused.tower.layers:
-            layer.mlp_backend = mlp_backend
+            setattr(layer, attribute, backend)
         fused.load_state_dict(model.state_dict())
         loss = fused.loss(fused(batch)[0], batch.labels)
         grads = torch.autograd.grad(loss, list(fused.parameters()))
-        if mlp_backend == "reference":
+        if backend == "reference":
             assert torch.equal(loss, expected_loss)
             assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
@@ -272,11 +282,12 @@ def test_fused_mlp_switch_keeps_the_model(model, mlp_backend):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_fused_mlp_follows_the_attention_backend():
-    assert RankingModelConfig(attn_backend="tlx", fused_mlp=True).mlp_backend == "tlx"
-    assert RankingModelConfig(attn_backend="triton", fused_mlp=True).mlp_backend == "triton"
-    # fa2 has no MLP kernels: the fastest that runs.
-    assert RankingModelConfig(attn_backend="fa2", fused_mlp=True).mlp_backend == "auto"
+@pytest.mark.parametrize("attribute", FUSED_SWITCHES.values())
+def test_fused_sublayers_follow_the_attention_backend(attribute):
+    assert getattr(RankingModelConfig(attn_backend="tlx"), attribute) == "tlx"
+    assert getattr(RankingModelConfig(attn_backend="triton"), attribute) == "triton"
+    # fa2 has no sublayer kernels: the fastest that runs.
+    assert getattr(RankingModelConfig(attn_backend="fa2"), attribute) == "auto"
 
 
 def test_same_batch_gives_bitwise_equal_gradients(model):

@@ -1,17 +1,23 @@
-"""MLP sublayer benchmark: the fused kernels against today's unfused path, eager and compiled.
+"""Fused-sublayer benchmark: the fused kernels of one sublayer against today's unfused path, eager
+and compiled.
 
-    python -m benchmarks.bench_mlp_sublayer --out benchmarks/results/mlp_sublayer_h200
-    python -m benchmarks.bench_mlp_sublayer --out /tmp/mlp_cpu --device cpu --tokens 256 --d-model 32 --hidden 64 \
-        --impls unfused_eager triton                                   # CPU smoke (TRITON_INTERPRET=1)
+    python -m benchmarks.bench_sublayer --sublayer mlp --out benchmarks/results/mlp_sublayer_h200
+    python -m benchmarks.bench_sublayer --sublayer attention --out benchmarks/results/attention_sublayer_h200
+    python -m benchmarks.bench_sublayer --sublayer attention --out /tmp/sublayer_cpu --device cpu --tokens 256 \
+        --d-model 64 --num-heads 2 --dtype float32 --impls unfused_eager triton  # CPU smoke (TRITON_INTERPRET=1)
 
-The sublayer is y = x + W2·GELU(W1·LN(x) + b1) + b2 as configs/gpu.yaml trains it: x and the
-parameters in fp32, the matmuls in bf16 under autocast, 155,648 tokens (a batch of 2048 padded to a
-multiple of 4096), d_model 256, hidden 1024. Every implementation is timed forward and
-forward+backward (gradients of x and of all six parameters) by do_bench medians, called eagerly and
-replayed from a CUDA graph (device time alone, as the compiled, CUDA-graph training step runs it).
-TFLOP/s counts the sublayer's matmul FLOPs (2 GEMMs forward, 4 backward), set against a bf16 GEMM
-of the sublayer's own first-matmul shape and an 8192^3 GEMM timed in the same run: the ceiling.
-Writes <out>.json and <out>.md.
+Each sublayer as configs/gpu.yaml trains it: x and the parameters in fp32, the matmuls in bf16 under
+autocast, 155,648 tokens (a batch of 2048 padded to a multiple of 4096), d_model 256:
+- mlp: y = x + W2·GELU(W1·LN(x) + b1) + b2, hidden 1024 (--hidden);
+- attention: y = x + Wo·blockattn(rotary(split(Wqkv·LN(x) + bqkv))) + bo, 4 heads (--num-heads),
+  over jagged sequences of 1 to 151 tokens (mean 76, the gpu config's), rotary on q and k; its
+  unfused rows run block attention's --unfused-attn kernel, as the model's unfused layer does.
+Every implementation is timed forward and forward+backward (gradients of x and of all six parameters)
+by do_bench medians, called eagerly and replayed from a CUDA graph (device time alone, as the
+compiled, CUDA-graph training step runs it). TFLOP/s counts the sublayer's matmul FLOPs (the
+attention's at full 64-token blocks; fwd+bwd as 3x the forward), set against a bf16 GEMM of the
+sublayer's first-matmul shape and an 8192^3 GEMM timed in the same run: the ceiling.
+Writes <out>.json and <out>.md. (Before the attention sublayer it was bench_mlp_sublayer.py, MLP only.)
 """
 
 import argparse
@@ -23,45 +29,99 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.harness import describe, device_name, make_timer, replay_ms, versions
-from kernels import available_backends, mlp_sublayer, mlp_sublayer_reference
+from kernels import (
+    Rotary,
+    attention_sublayer,
+    available_backends,
+    block_attention,
+    block_table,
+    mlp_sublayer,
+    mlp_sublayer_reference,
+    offsets_from_lengths,
+    rotary_tables,
+)
 
+SUBLAYERS = ("mlp", "attention")
 IMPLS = ("unfused_eager", "unfused_compiled", "triton", "tlx")
 PASSES = ("fwd", "fwd+bwd")
 # Loose on purpose: bf16 matmuls err by ~1e-2 relative; a wrong tile or mask errs by O(1).
 CHECK_REL_TOLERANCE = 5e-2
+# The gpu config's tokens per sample: 76 on average (benchmarks/results/profile_step_h200.md's batch).
+MAX_SEQUENCE_TOKENS = 151
 
 
-def sublayer_flops(tokens: int, d_model: int, hidden: int, pass_: str) -> float:
-    forward = 2 * 2 * tokens * d_model * hidden
+def sublayer_flops(args: argparse.Namespace, pass_: str) -> float:
+    tokens, d_model = args.tokens, args.d_model
+    if args.sublayer == "mlp":
+        forward = 2 * 2 * tokens * d_model * args.hidden
+    else:
+        # The projections (3d and d wide), then QKᵀ and PV over full 64-token blocks.
+        forward = 2 * tokens * d_model * 4 * d_model + 2 * 2 * tokens * 64 * d_model
     return forward if pass_ == "fwd" else 3 * forward
 
 
-def make_inputs(tokens: int, d_model: int, hidden: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+def first_gemm_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    return args.tokens, args.d_model, args.hidden if args.sublayer == "mlp" else 3 * args.d_model
+
+
+def make_inputs(args: argparse.Namespace, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
     """x and the six parameters, fp32 leaves as the model holds them (nn.Linear / nn.LayerNorm scales)."""
     generator = torch.Generator().manual_seed(seed)
+    d_model = args.d_model
+    # The two linears' output and input widths beyond d_model: [H, D] and [D, H]; [3D, D] and [D, D].
+    widths = (args.hidden, args.hidden) if args.sublayer == "mlp" else (3 * d_model, d_model)
 
     def draw(*shape, scale=1.0, shift=0.0):
         return (torch.randn(*shape, generator=generator) * scale + shift).to(device).requires_grad_()
 
-    return [draw(tokens, d_model), draw(d_model, scale=0.1, shift=1.0), draw(d_model, scale=0.1),
-            draw(hidden, d_model, scale=d_model ** -0.5), draw(hidden, scale=0.1),
-            draw(d_model, hidden, scale=hidden ** -0.5), draw(d_model, scale=0.1)]
+    return [draw(args.tokens, d_model), draw(d_model, scale=0.1, shift=1.0), draw(d_model, scale=0.1),
+            draw(widths[0], d_model, scale=d_model ** -0.5), draw(widths[0], scale=0.1),
+            draw(d_model, widths[1], scale=widths[1] ** -0.5), draw(d_model, scale=0.1)]
 
 
-def build_impl(name: str, device: torch.device, launch: dict | None = None) -> Callable:
+def jagged_batch(tokens: int, device: torch.device, seed: int = 0) -> tuple:
+    """A batch of `tokens` in sequences of 1..MAX_SEQUENCE_TOKENS: its BlockTable (built once, as the
+    model builds it per batch) and offsets."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(int(torch.randint(1, MAX_SEQUENCE_TOKENS + 1, (1,), generator=generator)),
+                           tokens - sum(lengths)))
+    offsets = offsets_from_lengths(torch.tensor(lengths, device=device))
+    return block_table(offsets, tokens), offsets
+
+
+def build_impl(name: str, args: argparse.Namespace, device: torch.device, launch: dict | None = None) -> Callable:
     """The sublayer as `name` runs it; raises with the reason where it can't run here."""
-    if name == "unfused_eager":
-        return lambda *t: mlp_sublayer_reference(*t, compute_dtype=torch.get_autocast_dtype(device.type)
-                                                 if torch.is_autocast_enabled(device.type) else None)
     if name == "unfused_compiled":
         # What the compiled DenseTower does with the unfused layer: inductor fuses the elementwise
-        # ops it can around the cuBLAS matmuls.
-        return torch.compile(build_impl("unfused_eager", device), dynamic=False)
-    if name not in available_backends(device):
+        # ops it can around the cuBLAS matmuls (and, for attention, the block-attention custom op).
+        return torch.compile(build_impl("unfused_eager", args, device), dynamic=False)
+    if name != "unfused_eager" and name not in available_backends(device):
         raise RuntimeError(f"backend {name} is not available on {device}")
-    return lambda *t: mlp_sublayer(*t, backend=name, launch=launch)
+    if args.sublayer == "mlp":
+        if name == "unfused_eager":
+            return lambda *t: mlp_sublayer_reference(*t, compute_dtype=torch.get_autocast_dtype(device.type)
+                                                     if torch.is_autocast_enabled(device.type) else None)
+        return lambda *t: mlp_sublayer(*t, backend=name, launch=launch)
+    table, offsets = jagged_batch(args.tokens, device)
+    head_dim = args.d_model // args.num_heads
+    cos, sin = rotary_tables(Rotary(), offsets, args.tokens, head_dim)
+    rotary = Rotary(cos=cos, sin=sin)
+    if name == "unfused_eager":
+        def unfused(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out):
+            # The model's unfused layer (models/ranking.py, AttentionLayer), as autocast runs it.
+            qkv = F.linear(F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias), w_qkv, b_qkv)
+            q, k, v = qkv.view(args.tokens, 3, args.num_heads, head_dim).unbind(1)
+            attn = block_attention(q, k, v, table, rotary=rotary, backend=args.unfused_attn)
+            return x + F.linear(attn.reshape(args.tokens, args.d_model), w_out, b_out)
+
+        return unfused
+    return lambda x, *params: attention_sublayer(x, table, *params, num_heads=args.num_heads, rotary=rotary,
+                                                 backend=name, launch=launch)
 
 
 def run_pass(fn: Callable, leaves: list[torch.Tensor], grad_y: torch.Tensor, pass_: str, dtype: torch.dtype) -> Callable:
@@ -104,15 +164,15 @@ def bench(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     timer = make_timer(device, args.warmup_ms, args.rep_ms)
-    leaves = make_inputs(args.tokens, args.d_model, args.hidden, device)
+    leaves = make_inputs(args, device)
     grad_y = torch.randn(args.tokens, args.d_model, device=device)
     ceiling = {}
     if device.type == "cuda":
         ceiling = {
-            "gemm_sublayer_shape_tflops": gemm_tflops(args.tokens, args.d_model, args.hidden, device, dtype, timer),
+            "gemm_sublayer_shape_tflops": gemm_tflops(*first_gemm_shape(args), device, dtype, timer),
             "gemm_8192_tflops": gemm_tflops(8192, 8192, 8192, device, dtype, timer),
         }
-    reference_y = run_pass(build_impl("unfused_eager", device), leaves, grad_y, "fwd", dtype)().detach()
+    reference_y = run_pass(build_impl("unfused_eager", args, device), leaves, grad_y, "fwd", dtype)().detach()
     rows = []
     runs = [(name, name, args.launch.get(name)) for name in args.impls]
     runs += [(label, impl, json.loads(launch)) for label, impl, launch in args.variant]
@@ -121,7 +181,7 @@ def bench(args: argparse.Namespace) -> dict:
         if label != name:
             row["backend"] = name
         try:
-            fn = build_impl(name, device, launch)
+            fn = build_impl(name, args, device, launch)
             y = run_pass(fn, leaves, grad_y, "fwd", dtype)().detach()
             rel_err = ((y.float() - reference_y.float()).norm() / reference_y.float().norm()).item()
             row["check_rel_err"] = rel_err
@@ -136,7 +196,7 @@ def bench(args: argparse.Namespace) -> dict:
                 if args.profile and device.type == "cuda":
                     row[f"{pass_}_kernels"] = kernel_times(step)
                 best = row.get(f"{pass_}_graph_ms", row[f"{pass_}_ms"])
-                row[f"{pass_}_tflops"] = sublayer_flops(args.tokens, args.d_model, args.hidden, pass_) / (best * 1e-3) / 1e12
+                row[f"{pass_}_tflops"] = sublayer_flops(args, pass_) / (best * 1e-3) / 1e12
         except Exception as error:  # a row that can't run says why; the others still run
             row["error"] = describe(error)
         rows.append(row)
@@ -152,21 +212,30 @@ def bench(args: argparse.Namespace) -> dict:
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=device_name(device), versions=versions(),
-        command="python -m benchmarks.bench_mlp_sublayer " + shlex.join(sys.argv[1:]),
-        shape=dict(tokens=args.tokens, d_model=args.d_model, hidden=args.hidden, dtype=args.dtype),
+        command="python -m benchmarks.bench_sublayer " + shlex.join(sys.argv[1:]),
+        sublayer=args.sublayer,
+        shape=dict(tokens=args.tokens, d_model=args.d_model, dtype=args.dtype,
+                   **({"hidden": args.hidden} if args.sublayer == "mlp" else
+                      {"num_heads": args.num_heads, "unfused_attn": args.unfused_attn})),
         ceiling=ceiling, rows=rows,
     )
 
 
 def render_markdown(report: dict) -> str:
     shape = report["shape"]
+    if report["sublayer"] == "mlp":
+        title, width = "MLP", f"hidden {shape['hidden']}"
+    else:
+        title = "Attention"
+        width = (f"{shape['num_heads']} heads, jagged sequences of 1-{MAX_SEQUENCE_TOKENS} tokens, rotary on q and k, "
+                 f"unfused rows on the {shape['unfused_attn']} block-attention kernel")
     lines = [
-        "# MLP sublayer: fused kernels against the unfused path",
+        f"# {title} sublayer: fused kernels against the unfused path",
         "",
         f"{report['device']}, {report['date']}; `{report['command']}`",
         f"versions: {json.dumps(report['versions'])}",
         "",
-        f"x [{shape['tokens']}, {shape['d_model']}] fp32, hidden {shape['hidden']}, matmuls in {shape['dtype']} "
+        f"x [{shape['tokens']}, {shape['d_model']}] fp32, {width}, matmuls in {shape['dtype']} "
         "(autocast). ms are do_bench medians; graph = replayed from a CUDA graph (device time). TFLOP/s from the "
         "graph time where there is one.",
     ]
@@ -194,12 +263,15 @@ def render_markdown(report: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_mlp_sublayer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_sublayer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sublayer", default="mlp", choices=SUBLAYERS)
     parser.add_argument("--out", required=True, help="output path without extension; writes <out>.json and <out>.md")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=155648)
     parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden width")
+    parser.add_argument("--num-heads", type=int, default=4, help="the attention's heads")
+    parser.add_argument("--unfused-attn", default="tlx", help="the block-attention backend of the attention's unfused rows")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--launch", type=json.loads, default={},

@@ -1,0 +1,103 @@
+"""The attention sublayer's kernel backends, `triton` and `tlx`; see attention_sublayer_dispatch.py.
+
+One plan, as the fused MLP's default ("gemms"): GEMMs whose prologues and epilogues carry the
+elementwise work, around a block-attention kernel (the backend's name picks it) that applies rotary
+itself. Forward, four kernels and three HBM round trips of activations:
+  LayerNorm rows -> LN(x) (compute dtype) and the statistics;
+  LN(x) · Wqkvᵀ + bqkv -> qkv [T, 3D], bias in the epilogue; q, k, v are its views, read in place;
+  block attention (rotary fused) -> attn [T, H, D/H];
+  x + attn · Woᵀ + bo -> y, bias and residual in the epilogue (the unfused path's separate add).
+Backward: dAttn = dY · Wo and dWo = dYᵀ · attn (cuBLAS), the block attention backward (rotary's
+inverse fused), dLN = dQKV · Wqkv (cuBLAS), then one LayerNorm-backward kernel that adds the
+residual's gradient, writes LN(x) for dWqkv = dQKVᵀ · LN(x) and sums the LN-affine and output-bias
+gradients per tile.
+Invariants: as kernels/sublayer_triton.py's (d_model a power of two, 16..256) and the block-attention
+kernel's (head_dim, dtype, device); the attention kernels need no residuals from their forward.
+"""
+
+import torch
+
+from .attention_sublayer_dispatch import attention_sublayer_ops
+from .dispatch import get_backend
+from .sublayer_dispatch import SublayerBackend
+from .sublayer_triton import (
+    bias_gemm,
+    layer_norm_backward,
+    layer_norm_forward,
+    residual_gemm,
+    rows_contiguous,
+)
+
+SUPPORTED_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The GEMM tiles: the fused MLP forward's (kernels/mlp_sublayer_triton.py, tuned on the H200 at d_model
+# 256): 128 x 128 over 8 warps, a 3-deep pipeline of K steps. Not yet tuned for these GEMMs.
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 128, 8, 3
+
+
+def _launchers(attention: str):
+    """The forward and backward of the attention sublayer around block-attention backend `attention`'s kernels."""
+    attention_ops = get_backend(attention).ops
+
+    def forward(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out, block_start, block_len, num_blocks, cos, sin,
+                num_heads, rotate_v, eps, launch):
+        tokens, d_model = x.shape
+        x = rows_contiguous(x)
+        norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out = (
+            t.contiguous() for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out))
+        normed, mean, rstd = layer_norm_forward(x, norm_weight, norm_bias, eps, w_qkv.dtype)
+        qkv = bias_gemm(normed, w_qkv, b_qkv, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+        q, k, v = qkv.view(tokens, 3, num_heads, d_model // num_heads).unbind(1)
+        attn = attention_ops.forward_launcher(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v,
+                                              launch)[0]
+        y = residual_gemm(attn.view(tokens, d_model), w_out, b_out, x, False, BLOCK_M, NUM_WARPS, NUM_STAGES)
+        return y, qkv, attn, mean, rstd
+
+    def backward(grad_y, x, norm_weight, norm_bias, w_qkv, w_out, qkv, attn, mean, rstd, block_start, block_len,
+                 num_blocks, cos, sin, num_heads, rotate_v, eps, launch):
+        tokens, d_model = x.shape
+        compute_dtype = w_qkv.dtype
+        x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
+        norm_weight, norm_bias, w_qkv, w_out = (t.contiguous() for t in (norm_weight, norm_bias, w_qkv, w_out))
+        # The output projection's output was rounded to the compute dtype; its gradient is taken in it too.
+        grad_out = grad_y.to(compute_dtype).contiguous()
+        attn_rows = attn.view(tokens, d_model)
+        grad_attn = grad_out @ w_out
+        dw_out = grad_out.t() @ attn_rows
+        q, k, v = qkv.view(tokens, 3, num_heads, d_model // num_heads).unbind(1)
+        dq, dk, dv = attention_ops.backward_launcher(grad_attn.view(q.shape), q, k, v, block_start,
+                                                     block_len, num_blocks, cos, sin, rotate_v, launch, attn)
+        # One [T, 3D] gradient, as autograd's unbind gives the unfused path, so LN's output gradient is
+        # one GEMM over K = 3D rounded once (three products added would round three times).
+        grad_qkv = torch.stack((dq, dk, dv), 1).view(tokens, 3 * d_model)
+        grad_normed = grad_qkv @ w_qkv
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        normed = torch.empty((tokens, d_model), dtype=compute_dtype, device=x.device)
+        column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed)
+        dw_qkv = grad_qkv.t() @ normed
+        db_qkv = grad_qkv.sum(0, dtype=torch.float32).to(compute_dtype)
+        # Copies: a custom op's outputs may not be views of one another.
+        dnorm_weight, dnorm_bias, db_out = column_parts.sum(0).unbind(0)
+        return (dx, dnorm_weight.to(norm_weight.dtype, copy=True), dnorm_bias.to(norm_bias.dtype, copy=True), dw_qkv,
+                db_qkv, dw_out, db_out.to(compute_dtype, copy=True))
+
+    return forward, backward
+
+
+def _unsupported_reason(attention: str):
+    def reason(x: torch.Tensor, num_heads: int, compute_dtype: torch.dtype) -> str | None:
+        d_model = x.shape[1]
+        if d_model < 16 or d_model > 256 or d_model & (d_model - 1):
+            return f"d_model {d_model} (the Triton LayerNorm and GEMM kernels take a power of two from 16 to 256)"
+        if x.dtype not in SUPPORTED_X_DTYPES:
+            return f"x dtype {x.dtype} (the kernels take float16, bfloat16 or float32)"
+        # The attention kernel's rules (dtype, head_dim, device) on q, k, v like the projection's.
+        return get_backend(attention).unsupported_reason(x.new_empty(0, num_heads, d_model // num_heads,
+                                                                     dtype=compute_dtype))
+
+    return reason
+
+
+def kernel_backend(name: str) -> SublayerBackend:
+    """Backend `name` (triton or tlx): its ops registered once, on first use."""
+    run = attention_sublayer_ops(name, *_launchers(name))
+    return SublayerBackend(name, _unsupported_reason(name), run, ops=run)

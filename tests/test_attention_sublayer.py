@@ -1,0 +1,268 @@
+"""The fused attention sublayer: the Triton backend in the CPU interpreter, judged by
+kernels.testing.attention_sublayer_parity (the project's one rule), the reference against the unfused
+modules it stands for, the dispatcher's errors, the custom ops' registrations, and torch.compile.
+bf16 and the tlx backend run on a GPU only (tests/test_gpu_parity.py)."""
+
+import dataclasses
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from kernels import (  # noqa: E402
+    BackendUnavailableError,
+    Rotary,
+    attention_sublayer,
+    attention_sublayer_reference,
+    block_attention,
+    block_table,
+    check_attention_sublayer_backend,
+)
+from kernels.attention_sublayer_dispatch import get_attention_sublayer_backend  # noqa: E402
+from kernels.testing import attention_sublayer_parity  # noqa: E402
+
+# x's dtype, the matmuls' dtype: plain fp32 (exact), plain fp16, and fp32 x with fp16 matmuls (autocast's split).
+DTYPES = {"fp32": (torch.float32, torch.float32), "fp16": (torch.float16, torch.float16),
+          "fp32_x_fp16_matmul": (torch.float32, torch.float16)}
+ROTARY = {"none": None, "qk": Rotary(), "qkv": Rotary(rotate_v=True)}
+
+
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("dtypes", DTYPES)
+def test_triton_parity(dtypes, rotary):
+    """Ragged lengths with an empty sequence, one token, both sides of a block edge and several blocks."""
+    x_dtype, compute_dtype = DTYPES[dtypes]
+    result = attention_sublayer_parity("triton", x_dtype=x_dtype, compute_dtype=compute_dtype, rotary=ROTARY[rotary])
+    assert result.ok, result.summary()
+
+
+def test_triton_parity_at_the_gpu_configs_width():
+    """d_model 256 in 4 heads of 64: configs/gpu.yaml's layer (the output GEMM's [rows, 256] accumulator)."""
+    result = attention_sublayer_parity("triton", lengths=(70, 3), num_heads=4, head_dim=64, x_dtype=torch.float32,
+                                       compute_dtype=torch.float16, rotary=Rotary())
+    assert result.ok, result.summary()
+
+
+def test_parity_rule_catches_a_wrong_gradient(monkeypatch):
+    """The rule is not vacuous: a kernel whose projection-bias gradient is off by 1% fails it, on that
+    gradient alone."""
+    import kernels.attention_sublayer_dispatch as dispatcher
+    import kernels.attention_sublayer_kernels as sublayer_kernels
+
+    forward, backward = sublayer_kernels._launchers("triton")
+
+    def skewed(*args):
+        dx, dnw, dnb, dw_qkv, db_qkv, dw_out, db_out = backward(*args)
+        return dx, dnw, dnb, dw_qkv, db_qkv * 1.01, dw_out, db_out
+
+    run = dispatcher.attention_sublayer_ops("triton_skewed_for_test", forward, skewed)
+    monkeypatch.setitem(dispatcher.BACKENDS.loaded, "triton", dataclasses.replace(get_attention_sublayer_backend("triton"),
+                                                                          run=run))
+    result = attention_sublayer_parity("triton", lengths=(100,), x_dtype=torch.float32)
+    assert {failure.split()[0] for failure in result.failures} == {"db_qkv"}
+
+
+def _layer(d_model=64, num_heads=2, seed=0):
+    torch.manual_seed(seed)
+    norm, qkv, out = nn.LayerNorm(d_model), nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(d_model))
+        norm.bias.add_(0.1 * torch.randn(d_model))
+    return norm, qkv, out
+
+
+def _leaves(tokens, d_model=64, dtype=torch.float32, seed=0):
+    norm, qkv, out = _layer(d_model, seed=seed)
+    x = torch.randn(tokens, d_model, generator=torch.Generator().manual_seed(seed))
+    return [t.detach().to(dtype) for t in (x, norm.weight, norm.bias, qkv.weight, qkv.bias, out.weight, out.bias)]
+
+
+def _out_and_grads(fn, leaves, grad_y):
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    y = fn(*leaves)
+    return [y.detach(), *torch.autograd.grad(y, leaves, grad_y)]
+
+
+def test_reference_is_the_unfused_modules():
+    """The reference is exactly the model's unfused path (nn.LayerNorm, Linear, block attention's
+    reference backend with rotary, Linear, residual), outputs and gradients, in fp32 and under
+    bf16 autocast."""
+    norm, qkv, out = _layer()
+    offsets = torch.tensor([0, 5, 70, 90], dtype=torch.int32)
+    x, grad_y = torch.randn(90, 64, requires_grad=True), torch.randn(90, 64)
+    leaves = [x, norm.weight, norm.bias, qkv.weight, qkv.bias, out.weight, out.bias]
+    rotary = Rotary(rotate_v=True)
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            q, k, v = qkv(norm(x)).view(90, 3, 2, 32).unbind(1)
+            attn = block_attention(q, k, v, offsets, rotary=rotary, backend="reference")
+            unfused = x + out(attn.reshape(90, 64))
+            fused = attention_sublayer(x, offsets, *leaves[1:], num_heads=2, rotary=rotary, backend="reference")
+        for a, b in zip([unfused, *torch.autograd.grad(unfused, leaves, grad_y)],
+                        [fused, *torch.autograd.grad(fused, leaves, grad_y)]):
+            assert a.dtype == b.dtype
+            assert torch.equal(a, b)
+
+
+def test_autocast_picks_the_matmul_dtype():
+    """Under autocast the kernels' matmuls and attention run in the autocast dtype (as the unfused
+    path's would), and the result and gradients keep the parameters' and x's fp32."""
+    leaves = _leaves(80, seed=3)
+    offsets = torch.tensor([0, 80], dtype=torch.int32)
+    grad_y = torch.randn(80, 64)
+
+    def fused(*x):
+        return attention_sublayer(x[0], offsets, *x[1:], num_heads=2, backend="triton")
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        half = _out_and_grads(fused, leaves, grad_y)
+    reference = _out_and_grads(lambda *x: attention_sublayer_reference(x[0], offsets, *x[1:], 2,
+                                                                       compute_dtype=torch.float16), leaves, grad_y)
+    plain_fp32 = _out_and_grads(fused, leaves, grad_y)
+    for got, ref, exact in zip(half, reference, plain_fp32):
+        assert got.dtype == torch.float32
+        # fp16 matmul error, not fp32's: the autocast dtype was used.
+        assert (got - exact).abs().max() > 1e-6
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_batch():
+    leaves = [x.requires_grad_() for x in _leaves(0)]
+    for offsets in (torch.tensor([0], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32)):
+        for backend in ("triton", "reference"):
+            y = attention_sublayer(leaves[0], offsets, *leaves[1:], num_heads=2, rotary=Rotary(), backend=backend)
+            assert y.shape == (0, 64)
+            grads = torch.autograd.grad(y, leaves, torch.zeros_like(y))
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_a_block_table_and_offsets_give_the_same_bits():
+    """A model builds the BlockTable once per batch and passes it to every layer."""
+    leaves = _leaves(130, seed=2)
+    offsets = torch.tensor([0, 1, 130], dtype=torch.int32)
+    by_offsets = attention_sublayer(leaves[0], offsets, *leaves[1:], num_heads=2, backend="triton")
+    by_table = attention_sublayer(leaves[0], block_table(offsets, 130), *leaves[1:], num_heads=2, backend="triton")
+    assert torch.equal(by_offsets, by_table)
+
+
+def test_bad_inputs_get_clear_errors():
+    leaves = _leaves(10)
+    x, nw, nb, w_qkv, b_qkv, w_out, b_out = leaves
+    offsets = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cases = {
+        "x must be \\(total_tokens, d_model\\)": (x[None], nw, nb, w_qkv, b_qkv, w_out, b_out),
+        "w_qkv has shape \\(64, 192\\)": (x, nw, nb, w_qkv.t(), b_qkv, w_out, b_out),
+        "b_out has shape \\(32,\\)": (x, nw, nb, w_qkv, b_qkv, w_out, b_out[:32]),
+        "x must be a floating-point tensor": (x.long(), nw, nb, w_qkv, b_qkv, w_out, b_out),
+    }
+    for expected, args in cases.items():
+        with pytest.raises(ValueError, match=expected):
+            attention_sublayer(args[0], offsets, *args[1:], num_heads=2)
+    with pytest.raises(ValueError, match="num_heads=3 must be >= 1 and divide d_model=64"):
+        attention_sublayer(x, offsets, *leaves[1:], num_heads=3)
+    with pytest.raises(ValueError, match="offsets\\[-1\\] = 9 must equal total_tokens = 10"):
+        attention_sublayer(x, torch.tensor([0, 9], dtype=torch.int32), *leaves[1:], num_heads=2)
+    with pytest.raises(ValueError, match="the BlockTable covers 12 tokens and x has 10"):
+        attention_sublayer(x, block_table(torch.tensor([0, 12], dtype=torch.int32), 12), *leaves[1:], num_heads=2)
+    with pytest.raises(ValueError, match="unknown attention_sublayer backend 'fa2'"):
+        attention_sublayer(x, offsets, *leaves[1:], num_heads=2, backend="fa2")
+    with pytest.raises(ValueError, match="d_model 24"):
+        attention_sublayer(*_leaves(4, d_model=24)[:1], torch.tensor([0, 4], dtype=torch.int32), *_leaves(4, 24)[1:],
+                           num_heads=2, backend="triton")
+    with pytest.raises(ValueError, match="bfloat16 on CPU"):
+        bf16 = _leaves(4, dtype=torch.bfloat16)
+        attention_sublayer(bf16[0], torch.tensor([0, 4], dtype=torch.int32), *bf16[1:], num_heads=2, backend="triton")
+    with pytest.raises(ValueError, match="head_dim 8"):  # the attention kernel's rule
+        attention_sublayer(x, offsets, *leaves[1:], num_heads=8, backend="triton")
+    with pytest.raises(BackendUnavailableError, match="block_attention backend 'tlx' cannot run here"):
+        attention_sublayer(x, offsets, *leaves[1:], num_heads=2, backend="tlx")
+    # auto on a CPU is the reference, which has no launch settings.
+    with pytest.raises(ValueError, match="no launch settings"):
+        attention_sublayer(x, offsets, *leaves[1:], num_heads=2, launch={"fwd": {"num_warps": 2}})
+
+
+def test_launch_overrides_reach_the_attention_kernel():
+    leaves = _leaves(100, seed=5)
+    offsets = torch.tensor([0, 100], dtype=torch.int32)
+    with pytest.raises(ValueError, match="launch"):
+        attention_sublayer(leaves[0], offsets, *leaves[1:], num_heads=2, backend="triton",
+                           launch={"fwd": {"no_such_setting": 1}})
+
+
+def _op_args(tokens=70, seed=4):
+    leaves = _leaves(tokens, seed=seed)
+    table = block_table(torch.tensor([0, 20, tokens], dtype=torch.int32), tokens)
+    return leaves, table
+
+
+def test_custom_ops_pass_opcheck():
+    """Schemas, fake (meta) implementations against the real kernels, and autograd registration."""
+    from kernels.rotary import rotary_tables
+
+    leaves, table = _op_args()
+    cos, sin = rotary_tables(Rotary(), table.offsets, 70, 32)
+    ops = get_attention_sublayer_backend("triton").ops
+    for args in (leaves, [x.clone().requires_grad_() for x in leaves]):
+        torch.library.opcheck(ops.forward_op, (*args, *table.tensors(), cos, sin, 2, False, 1e-5, ""))
+    y, qkv, attn, mean, rstd = ops.forward_op(*leaves, *table.tensors(), None, None, 2, False, 1e-5, "")
+    x, nw, nb, w_qkv, b_qkv, w_out, b_out = leaves
+    torch.library.opcheck(ops.backward_op, (torch.randn_like(y), x, nw, nb, w_qkv, w_out, qkv, attn, mean, rstd,
+                                            *table.tensors(), None, None, 2, False, 1e-5, ""))
+
+
+def test_public_api_compiles_without_graph_breaks():
+    leaves, table = _op_args(seed=6)
+    grad_y = torch.randn(70, 64)
+    check_attention_sublayer_backend("triton", "cpu")  # imports the backend before compiling, as train.py does
+
+    def sublayer(*x):
+        return attention_sublayer(x[0], table, *x[1:], num_heads=2, rotary=Rotary(), backend="triton")
+
+    compiled = torch.compile(sublayer, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    for a, b in zip(_out_and_grads(compiled, leaves, grad_y), _out_and_grads(sublayer, leaves, grad_y)):
+        assert torch.equal(a, b)
+
+
+def test_eager_calls_skip_the_custom_ops():
+    """Eager calls run the launchers through an autograd.Function (the ops' dispatch costs host
+    time); what traces (here make_fx) still sees the custom ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves, table = _op_args(seed=6)
+    leaves = [t.requires_grad_() for t in leaves]
+
+    def call(*t):
+        return attention_sublayer(t[0], table, *t[1:], num_heads=2, backend="triton")
+
+    def ops_called(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            fn()
+        return {e.name for e in profiler.events() if e.name.startswith("attention_sublayer::")}
+
+    assert ops_called(lambda: torch.autograd.grad(call(*leaves).sum(), leaves)) == set()
+    assert ops_called(lambda: call(*[t.detach() for t in leaves])) == set()
+    graph = make_fx(call)(*[t.detach() for t in leaves])
+    assert "attention_sublayer.triton_forward" in str(graph.code)
+
+
+def test_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/bench_sublayer.py --sublayer attention end to end at a tiny shape: the unfused layer
+    (on the Triton attention kernel) and the fused op timed, each checked against the unfused path."""
+    import json
+
+    from benchmarks import bench_sublayer
+
+    out = tmp_path / "attention"
+    bench_sublayer.main(["--sublayer", "attention", "--out", str(out), "--device", "cpu", "--tokens", "200",
+                         "--d-model", "64", "--num-heads", "2", "--dtype", "float32", "--unfused-attn", "triton",
+                         "--impls", "unfused_eager", "triton", "--warmup-ms", "1", "--rep-ms", "1"])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["sublayer"] == "attention" and report["shape"]["num_heads"] == 2
+    rows = {row["impl"]: row for row in report["rows"]}
+    assert set(rows) == {"unfused_eager", "triton"}
+    for row in rows.values():
+        assert "error" not in row and row["fwd+bwd_ms"] > 0 and row["check_rel_err"] < 1e-5
+    assert out.with_suffix(".md").read_text().startswith("# Attention sublayer")
