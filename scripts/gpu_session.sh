@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, quality_wait.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
@@ -44,11 +44,11 @@ for s in "$@"; do
         --variant tlx_tiles_bwd tlx '{"bwd": {"TRITON_BACKWARD": false}}' ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     attention_bench) step attention_bench 500 python3 -m benchmarks.bench_sublayer --sublayer attention --out "$OUT/attention_sublayer_h200" --profile ;;
-    # The step with and without the fused MLP sublayer, back to back on one machine.
-    profile_mlp) for fused in true false; do
-        step profile_fused_mlp_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
-          --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.fused_mlp=$fused \
-          --out "$OUT/profile_step_fused_mlp_${fused}_h200"
+    # The step with and without one fused sublayer (model.net.fused_mlp, model.net.fused_attention), back to back on one machine.
+    profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
+        step profile_${switch}_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
+          --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.$switch=$fused \
+          --out "$OUT/profile_step_${switch}_${fused}_h200"
       done ;;
     # What Lightning's deterministic switch (torch.use_deterministic_algorithms) costs the tlx step.
     profile_deterministic) step profile_deterministic 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
