@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from .backend import launch_json
-from .blocks import BlockTable, block_table
-from .dispatch import validate_offsets
+from .blocks import BlockTable
+from .dispatch import batch_block_table
 from .eager import op_or_eager
 from .rotary import Rotary, rotary_tables
 from .attention_sublayer_reference import attention_sublayer_reference
@@ -35,6 +35,7 @@ from .sublayer_dispatch import (
     SublayerBackends,
     check_sublayer_inputs,
     check_sublayer_parameters,
+    sublayer_compute_dtype,
 )
 
 # Fastest first on a GPU; `auto` takes the reference alone on a CPU (the Triton interpreter runs only when named).
@@ -101,19 +102,11 @@ def attention_sublayer(
     settings ({"fwd": {...}, "bwd": {...}}).
     """
     _validate(x, num_heads, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out)
-    table = offsets if isinstance(offsets, BlockTable) else None
-    if table is not None and table.total_tokens != x.shape[0]:
-        raise ValueError(f"the BlockTable covers {table.total_tokens} tokens and x has {x.shape[0]}")
-    if table is None:
-        if offsets.device != x.device:
-            raise ValueError(f"offsets are on {offsets.device} and x on {x.device}; they must share a device")
-        validate_offsets(offsets, x.shape[0], read_values=check_offsets)
-        table = block_table(offsets, x.shape[0])
+    if offsets.device != x.device:
+        raise ValueError(f"offsets are on {offsets.device} and x on {x.device}; they must share a device")
+    table = batch_block_table(offsets, x.shape[0], "x", check_offsets)
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = w_qkv.dtype
+    compute_dtype = sublayer_compute_dtype(x, w_qkv)
     chosen = BACKENDS.resolve(backend, x, num_heads, compute_dtype=compute_dtype)
     if launch and chosen.ops is None:
         raise ValueError(f"the {chosen.name} attention_sublayer backend has no launch settings to override, got {launch}")

@@ -169,6 +169,18 @@ def validate_offsets(offsets: torch.Tensor, total_tokens: int, read_values: bool
     raise ValueError(f"offsets[-1] = {last} must equal total_tokens = {total_tokens}")
 
 
+def batch_block_table(offsets: torch.Tensor | BlockTable, total_tokens: int, input_name: str,
+                      check_offsets: bool = True) -> BlockTable:
+    """The batch's BlockTable: `offsets` itself where it is one (it must cover the `input_name`
+    tensor's total_tokens), else built from offsets once validate_offsets accepts them."""
+    if isinstance(offsets, BlockTable):
+        if offsets.total_tokens != total_tokens:
+            raise ValueError(f"the BlockTable covers {offsets.total_tokens} tokens and {input_name} has {total_tokens}")
+        return offsets
+    validate_offsets(offsets, total_tokens, read_values=check_offsets)
+    return block_table(offsets, total_tokens)
+
+
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -198,19 +210,12 @@ def block_attention(
         raise ValueError(f"unknown block_attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if launch and backend == "auto":
         raise ValueError("launch overrides need a named backend, not 'auto'")
-    table = offsets if isinstance(offsets, BlockTable) else None
-    if table is not None and table.total_tokens != q.shape[0]:
-        raise ValueError(f"the BlockTable covers {table.total_tokens} tokens and q has {q.shape[0]}")
-    device = table.device if table is not None else offsets.device
-    _validate_tensors(q, k, v, device)
-    if table is None:
-        validate_offsets(offsets, q.shape[0], read_values=check_offsets)
+    _validate_tensors(q, k, v, offsets.device)
+    table = batch_block_table(offsets, q.shape[0], "q", check_offsets)
     chosen = _resolve(backend, q)
     if launch and not chosen.has_launch_settings:
         raise ValueError(f"the {chosen.name} backend has no launch settings to override, got {launch}")
     launch = launch_json(launch)
-    if table is None:
-        table = block_table(offsets, q.shape[0])
     cos = sin = None
     rotate_v = rotary is not None and rotary.rotate_v
     if rotary is not None:

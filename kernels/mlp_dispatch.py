@@ -36,6 +36,7 @@ from .sublayer_dispatch import (
     SublayerBackends,
     check_sublayer_inputs,
     check_sublayer_parameters,
+    sublayer_compute_dtype,
 )
 
 
@@ -90,10 +91,7 @@ def mlp_sublayer(
     """
     _validate(x, norm_weight, norm_bias, w1, b1, w2, b2)
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = w1.dtype
+    compute_dtype = sublayer_compute_dtype(x, w1)
     chosen = BACKENDS.resolve(backend, x, w1.shape[0], compute_dtype=compute_dtype)
     if launch and chosen.ops is None:
         raise ValueError(f"the {chosen.name} mlp_sublayer backend has no launch settings to override, got {launch}")

@@ -102,3 +102,10 @@ def check_sublayer_parameters(x: torch.Tensor, parameters: dict[str, torch.Tenso
             raise ValueError(f"{name} is on {tensor.device} and x on {x.device}; all must share a device")
         if not tensor.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+
+
+def sublayer_compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's where it is on for x's device (as nn.Linear's would be), else the weights'."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weight.dtype
