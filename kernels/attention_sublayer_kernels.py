@@ -4,13 +4,13 @@ One plan, as the fused MLP's default ("gemms"): GEMMs whose prologues and epilog
 elementwise work, around a block-attention kernel (the backend's name picks it) that applies rotary
 itself. Forward, four kernels and three HBM round trips of activations:
   LayerNorm rows -> LN(x) (compute dtype) and the statistics;
-  LN(x) · Wqkvᵀ + bqkv -> qkv [T, 3D], bias in the epilogue; q, k, v are its views, read in place;
+  LN(x) · Wqkvᵀ + bqkv -> qkv [T, 3D] (cuBLAS, bias in its epilogue); q, k, v are its views, read in place;
   block attention (rotary fused) -> attn [T, H, D/H];
   x + attn · Woᵀ + bo -> y, bias and residual in the epilogue (the unfused path's separate add).
 Backward: dAttn = dY · Wo and dWo = dYᵀ · attn (cuBLAS), the block attention backward (rotary's
-inverse fused), dLN = dQKV · Wqkv (cuBLAS), then one LayerNorm-backward kernel that adds the
-residual's gradient, writes LN(x) for dWqkv = dQKVᵀ · LN(x) and sums the LN-affine and output-bias
-gradients per tile.
+inverse fused) writing dQ, dK, dV side by side as dQKV [T, 3D], dLN = dQKV · Wqkv (cuBLAS), then one
+LayerNorm-backward kernel that adds the residual's gradient, writes LN(x) for dWqkv = dQKVᵀ · LN(x)
+and sums the LN-affine and output-bias gradients per tile.
 Invariants: as kernels/sublayer_triton.py's (d_model a power of two, 16..256) and the block-attention
 kernel's (head_dim, dtype, device); the attention kernels need no residuals from their forward.
 """
@@ -21,7 +21,6 @@ from .attention_sublayer_dispatch import attention_sublayer_ops
 from .dispatch import get_backend
 from .sublayer_dispatch import SublayerBackend
 from .sublayer_triton import (
-    bias_gemm,
     layer_norm_backward,
     layer_norm_forward,
     residual_gemm,
@@ -29,9 +28,9 @@ from .sublayer_triton import (
 )
 
 SUPPORTED_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The GEMM tiles: the fused MLP forward's (kernels/mlp_sublayer_triton.py, tuned on the H200 at d_model
-# 256): 128 x 128 over 8 warps, a 3-deep pipeline of K steps. Not yet tuned for these GEMMs.
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 128, 8, 3
+# The output GEMM's tiles: the fused MLP forward's (kernels/mlp_sublayer_triton.py, tuned on the H200 at
+# d_model 256): 128 rows over 8 warps, a 3-deep pipeline of K steps.
+BLOCK_M, NUM_WARPS, NUM_STAGES = 128, 8, 3
 
 
 def _launchers(attention: str):
@@ -45,7 +44,9 @@ def _launchers(attention: str):
         norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out = (
             t.contiguous() for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out))
         normed, mean, rstd = layer_norm_forward(x, norm_weight, norm_bias, eps, w_qkv.dtype)
-        qkv = bias_gemm(normed, w_qkv, b_qkv, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+        # cuBLAS with its bias epilogue (one rounding, as F.linear): faster here than the Triton
+        # bias GEMM, 0.129 against 0.190 ms on the H200 at configs/gpu.yaml's shape (attention_sublayer_h200.md).
+        qkv = torch.addmm(b_qkv, normed, w_qkv.t())
         q, k, v = qkv.view(tokens, 3, num_heads, d_model // num_heads).unbind(1)
         attn = attention_ops.forward_launcher(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v,
                                               launch)[0]
@@ -64,11 +65,13 @@ def _launchers(attention: str):
         grad_attn = grad_out @ w_out
         dw_out = grad_out.t() @ attn_rows
         q, k, v = qkv.view(tokens, 3, num_heads, d_model // num_heads).unbind(1)
-        dq, dk, dv = attention_ops.backward_launcher(grad_attn.view(q.shape), q, k, v, block_start,
-                                                     block_len, num_blocks, cos, sin, rotate_v, launch, attn)
-        # One [T, 3D] gradient, as autograd's unbind gives the unfused path, so LN's output gradient is
-        # one GEMM over K = 3D rounded once (three products added would round three times).
-        grad_qkv = torch.stack((dq, dk, dv), 1).view(tokens, 3 * d_model)
+        # The attention backward writes dq, dk, dv into one [T, 3D] gradient, as autograd's unbind
+        # gives the unfused path, so LN's output gradient is one GEMM over K = 3D rounded once (three
+        # products added would round three times), with no copy to stack them.
+        grad_qkv = torch.empty((tokens, 3 * d_model), dtype=compute_dtype, device=x.device)
+        attention_ops.backward_launcher(grad_attn.view(q.shape), q, k, v, block_start, block_len, num_blocks, cos,
+                                        sin, rotate_v, launch, attn,
+                                        into=grad_qkv.view(tokens, 3, *q.shape[1:]).unbind(1))
         grad_normed = grad_qkv @ w_qkv
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         normed = torch.empty((tokens, d_model), dtype=compute_dtype, device=x.device)

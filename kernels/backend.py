@@ -7,7 +7,11 @@ A kernel backend supplies two launchers and gets its ops from `kernel_ops`:
 
     forward_launcher(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch) -> [out, *residuals]
     backward_launcher(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
-                      out, *residuals) -> (dq, dk, dv)
+                      out, *residuals, into=None) -> (dq, dk, dv)
+
+(`into`: three [T, H, D] tensors with one shared stride to write dq, dk, dv into, e.g. the views of
+one [T, 3, H, D] gradient that the attention sublayer's QKV projection takes as is; see
+`gradient_outputs`.)
 
 `kernel_ops` registers them as `block_attention::<name>_forward` / `_backward` custom ops with fake
 (meta) implementations and an autograd formula, so models that call them compile under
@@ -54,6 +58,19 @@ class Backend:
 
 def no_unsupported_inputs(q: torch.Tensor) -> str | None:
     return None
+
+
+def gradient_outputs(q: torch.Tensor, into: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv for a backward launcher: `into` checked (shapes and dtype of q; one stride, rows of
+    whole heads), or three new tensors."""
+    if into is None:
+        return tuple(torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+    strides = {x.stride() for x in into}
+    if (len(into) != 3 or any(x.shape != q.shape or x.dtype != q.dtype or x.device != q.device for x in into)
+            or len(strides) != 1 or next(iter(strides))[1:] != (q.shape[2], 1)):
+        raise ValueError(f"gradient outputs must be three {tuple(q.shape)} {q.dtype} tensors on {q.device} with one "
+                         f"stride (token, {q.shape[2]}, 1); got {[(tuple(x.shape), x.dtype, x.stride()) for x in into]}")
+    return tuple(into)
 
 
 def launch_json(launch: dict | None) -> str:

@@ -48,7 +48,7 @@ except ImportError:  # plain triton (no extra.tlx) or no triton at all
     HAS_TLX = False
     _ROTARY_JOIN_SCRATCH = False
 
-from .backend import Backend, kernel_ops, launch_overrides
+from .backend import Backend, gradient_outputs, kernel_ops, launch_overrides
 from .blocks import BLOCK_SIZE
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -552,14 +552,14 @@ def _launch_kwargs(backward: bool, head_dim: int, rotary: bool, rotate_v: bool, 
 def _launch(kernel, tiles: tuple, outs: tuple, block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
             backward: bool) -> None:
     """Runs `kernel` on the TMA descriptors of `tiles` (q, k, v, then O or dO) and of the rotary
-    tables, writing `outs` (O, or dQ, dK, dV)."""
+    tables, writing `outs` (O, or dQ, dK, dV: one token stride, each row's heads contiguous)."""
     q = tiles[0]
     T, H, D = q.shape
     kwargs = _launch_kwargs(backward, D, cos is not None, bool(rotate_v), launch)
     with torch.cuda.device(q.device):
         kernel[_grid(q, block_start)](
             *[_tma_desc(x, D) for x in tiles], *_rotary_descs(cos, sin), *outs, block_start, block_len, num_blocks,
-            H, H * D, 1.0 / math.sqrt(D), **kwargs,
+            H, outs[0].stride(0), 1.0 / math.sqrt(D), **kwargs,
         )
 
 
@@ -574,8 +574,8 @@ def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, la
     return [out]
 
 
-def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out):
-    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out, into=None):
+    dq, dk, dv = gradient_outputs(q, into)
     if q.shape[0] == 0 or q.shape[1] == 0 or block_start.shape[0] == 0:
         return dq, dk, dv
     if grad_out.dtype != q.dtype:

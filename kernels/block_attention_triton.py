@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import Backend, kernel_ops, launch_overrides
+from .backend import Backend, gradient_outputs, kernel_ops, launch_overrides
 from .blocks import BLOCK_SIZE
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -274,9 +274,9 @@ def _forward(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, la
     return [out]
 
 
-def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out):
+def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, out, into=None):
     total_tokens, heads, head_dim = q.shape
-    dq, dk, dv = (torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+    dq, dk, dv = gradient_outputs(q, into)
     if total_tokens == 0 or heads == 0:
         return dq, dk, dv
     grad_out = grad_out.to(q.dtype)

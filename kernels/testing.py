@@ -7,7 +7,12 @@ backend's out, dq, dk and dv are compared with the fp64 reference on the same (r
   the flash-attention rule (the same-precision PyTorch reference is kernels.block_attention_reference with
   upcast=False: the error any plain implementation in that dtype makes);
 - gradient SNR: 10 log10(|truth|^2 / |kernel - truth|^2) >= MIN_GRAD_SNR_DB for dq, dk, dv, a
-  scale-free check (Meta's block-attention test) that catches a small wrong region the max hides;
+  scale-free check (Meta's block-attention test) that catches a small wrong region the max hides.
+  Where PyTorch in the same dtype cannot reach that floor itself, the floor is PyTorch's own SNR
+  less SNR_MARGIN_DB (the kernel's noise power at most twice PyTorch's): a fused sublayer in bf16
+  rounds its output and the intermediates between its matmuls to 8 bits, as PyTorch does: on the
+  H200, PyTorch's bf16 attention-sublayer gradients have 35-40 dB at d_model 256, the Triton and TLX
+  kernels' 38-43 dB (benchmarks/results/parity_h200.log, run 5);
 - determinism: a second run gives bitwise-identical out, dq, dk, dv;
 - every value finite.
 The batch covers the empty sequence, a single token, both sides of a block edge and several
@@ -31,6 +36,7 @@ from .rotary import Rotary, rotary_tables
 
 ERROR_RATIO = 2.0
 MIN_GRAD_SNR_DB = 45.0
+SNR_MARGIN_DB = 10 * math.log10(2)
 # Below these, errors are rounding noise of the comparison itself, not of either implementation.
 ABS_FLOOR = {torch.float64: 0.0, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-5}
 EDGE_LENGTHS = (0, 1, 63, 64, 65, 200)
@@ -51,7 +57,8 @@ class ParityResult:
     def summary(self) -> str:
         cells = []
         for name, o in self.outputs.items():
-            cells.append(f"{name} {o['max_err']:.2e}/{o['torch_max_err']:.2e} {o['snr_db']:5.1f}dB")
+            cells.append(f"{name} {o['max_err']:.2e}/{o['torch_max_err']:.2e} {o['snr_db']:5.1f}"
+                         f"/{o['torch_snr_db']:.1f}dB")
         status = "PASS" if self.ok else "FAIL " + "; ".join(self.failures)
         return f"{self.backend} {self.case['label']}: " + " | ".join(cells) + f"  {status}"
 
@@ -120,20 +127,23 @@ def _judge(result: ParityResult, names, runs, same_precision, truth, dtype: torc
         err = (got.double() - exact).abs().max().item() if got.numel() else 0.0
         torch_err = (plain.double() - exact).abs().max().item() if got.numel() else 0.0
         bound = ERROR_RATIO * torch_err + ABS_FLOOR[dtype]
-        snr = snr_db(got, exact)
+        snr, torch_snr = snr_db(got, exact), snr_db(plain, exact)
+        snr_floor = min(MIN_GRAD_SNR_DB, torch_snr - SNR_MARGIN_DB)
         checks = {
             "finite": bool(torch.isfinite(got).all()),
             "dtype": got.dtype == plain.dtype and got.shape == exact.shape,
             "error_ratio": err <= bound,
-            "snr": index == 0 or snr >= MIN_GRAD_SNR_DB,
+            "snr": index == 0 or snr >= snr_floor,
             "deterministic": torch.equal(got, again),
         }
         result.outputs[name] = dict(max_err=err, torch_max_err=torch_err, bound=bound, snr_db=snr,
+                                    torch_snr_db=torch_snr, snr_floor_db=snr_floor,
                                     rounding_floor=(exact.to(got.dtype).double() - exact).abs().max().item()
                                     if got.numel() else 0.0, **checks)
         for check, passed in checks.items():
             if not passed:
-                detail = {"error_ratio": f" ({err:.3g} > {bound:.3g})", "snr": f" ({snr:.1f} dB)"}.get(check, "")
+                detail = {"error_ratio": f" ({err:.3g} > {bound:.3g})",
+                          "snr": f" ({snr:.1f} < {snr_floor:.1f} dB)"}.get(check, "")
                 result.failures.append(f"{name} {check}{detail}")
 
 

@@ -378,3 +378,23 @@ def test_block_table_is_reused_until_its_offsets_change():
     torch.testing.assert_close(block_attention(q, k, v, offsets, backend="reference"),
                                block_attention(q, k, v, offsets_from_lengths([60, 70]), backend="reference"),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("torch_noise,kernel_noise,passes", [
+    (1e-4, 1e-4, True),      # PyTorch at 80 dB: the 45 dB floor applies, and the kernel is well above it
+    (1e-4, 10 ** -2.2, False),  # 44 dB: below the floor
+    (10 ** -1.9, 10 ** -1.9, True),  # PyTorch itself at 38 dB: the kernel may match it...
+    (10 ** -1.9, 10 ** -1.7, False),  # ...but not be 4 dB worse (more than twice the noise power)
+])
+def test_gradient_snr_floor_is_45_db_or_pytorchs_own(torch_noise, kernel_noise, passes):
+    """The SNR check of kernels.testing's rule: at least 45 dB, or, where PyTorch in the same dtype does
+    not reach 45 dB itself, at most twice PyTorch's noise power."""
+    from kernels.testing import ParityResult, _judge
+
+    truth = torch.linspace(1, 2, 1000, dtype=torch.float64)
+    signs = torch.where(torch.arange(1000) % 2 == 0, 1.0, -1.0).double()
+    plain, got = (truth * (1 + noise * signs) for noise in (torch_noise, kernel_noise))
+    result = ParityResult("test", {})
+    _judge(result, ("out", "dx"), [[truth, got], [truth, got]], [truth, plain], [truth, truth], torch.float64)
+    assert result.outputs["dx"]["snr"] is passes, result.outputs["dx"]
+    assert ("dx snr" in " ".join(result.failures)) is not passes

@@ -179,3 +179,19 @@ def test_eager_calls_run_the_launchers_the_custom_ops_run():
     with FakeTensorMode(allow_non_fake_inputs=True):  # the op's fake implementation, no kernel
         fake = backend.run(q, k, v, table, cos, sin, True, "")
     assert type(fake).__name__ == "FakeTensor" and fake.shape == q.shape
+
+
+def test_backward_writes_into_views_of_one_gradient():
+    """`into`: the backward writes dq, dk, dv into given tensors sharing one stride (the attention
+    sublayer's [T, 3, H, D] gradient), the same values as into its own; other shapes are refused."""
+    q, k, v, offsets, grad_out = _inputs((70, 3), 32, torch.float32)
+    table = block_table(offsets, q.shape[0])
+    launcher = get_backend("triton").ops.backward_launcher
+    args = (grad_out, q, k, v, *table.tensors(), None, None, False, "", None)
+    expected = launcher(*args)
+    packed = torch.full((q.shape[0], 3, *q.shape[1:]), float("nan"))
+    returned = launcher(*args, into=packed.unbind(1))
+    for got, want, view in zip(returned, expected, packed.unbind(1)):
+        assert torch.equal(got, want) and torch.equal(view, want)
+    with pytest.raises(ValueError, match="gradient outputs must be three"):
+        launcher(*args, into=(packed[:, 0], packed[:, 1], packed[:-1, 2]))
