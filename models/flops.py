@@ -18,7 +18,7 @@ import torch
 
 from data.schema import FeatureSchema
 from kernels import BLOCK_SIZE
-from models.ranking import RankingModelConfig
+from models.ranking import RankingModelConfig, head_inputs
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' datasheets, SXM parts: the
 # denominator of MFU. Lightning's table lists the H200's 2:4-sparse figure (2e15), twice this.
@@ -28,9 +28,14 @@ PEAK_DENSE_16BIT_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 ADAMW_BYTES_PER_PARAM = 40
 
 
+def fixed_token_count(config: RankingModelConfig, schema: FeatureSchema) -> int:
+    """Tokens every sample has: the dense tokens and one per categorical feature."""
+    return config.n_dense_tokens + len(schema.categorical)
+
+
 def sample_token_counts(config: RankingModelConfig, schema: FeatureSchema, history_lengths: np.ndarray) -> np.ndarray:
-    """Tokens of each sample: the fixed ones (dense tokens, one per categorical) plus its history."""
-    return config.n_dense_tokens + len(schema.categorical) + np.asarray(history_lengths, dtype=np.int64)
+    """Tokens of each sample: the fixed ones plus its history."""
+    return fixed_token_count(config, schema) + np.asarray(history_lengths, dtype=np.int64)
 
 
 def block_length_square_sum(token_counts: np.ndarray) -> int:
@@ -51,7 +56,7 @@ def forward_flops(config: RankingModelConfig, schema: FeatureSchema, history_len
     # Per layer: qkv (d -> 3d), out projection (d -> d), MLP (d -> hidden -> d).
     projections = 2 * num_tokens * d * (3 * d + d + 2 * hidden)
     attention = 4 * d * block_length_square_sum(tokens)
-    head = 2 * batch_size * (d * hidden + hidden)
+    head = 2 * batch_size * (head_inputs(config, fixed_token_count(config, schema)) * hidden + hidden)
     return dense_mlp + embedding_proj + config.num_layers * (projections + attention) + head
 
 

@@ -75,6 +75,9 @@ class RankingModelConfig:
         pad_tokens_to: round each batch's token count up to a multiple of this (0: no padding), with
             the pad tokens as one extra sequence that no real token attends to and pooling ignores,
             so a compiled tower sees a few shapes instead of one per batch.
+        readout: what the logit head reads of a sample's final tokens: "mean", their mean; "fields",
+            its fixed tokens (dense, then each categorical feature) side by side plus that mean, as
+            AutoInt reads its fields out, so the head sees which feature said what.
     """
 
     d_model: int = 64
@@ -92,6 +95,7 @@ class RankingModelConfig:
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     pad_tokens_to: int = 0
+    readout: Literal["mean", "fields"] = "mean"
 
     def __post_init__(self):
         check_choices(self)
@@ -191,10 +195,15 @@ class AttentionLayer(nn.Module):
                             eps=self.mlp_norm.eps, backend=self.mlp_backend)
 
 
+def head_inputs(config: RankingModelConfig, num_fixed_tokens: int) -> int:
+    """The logit head's input width under config.readout."""
+    return config.d_model * (num_fixed_tokens + 1 if config.readout == "fields" else 1)
+
+
 class DenseTower(nn.Module):
     """Everything after the embedding lookups: the dense-feature MLP and the embedding projection
     make the tokens, which are laid out as one jagged sequence per sample, then the attention
-    layers, final norm, mean pooling per sample and the logit head. It takes plain tensors of
+    layers, final norm, the readout per sample (config.readout) and the logit head. It takes plain tensors of
     shapes that the padding keeps to a few (RankingModelConfig.pad_tokens_to), so torch.compile
     makes one graph of it and CUDA graphs replay it: one launch instead of hundreds of small ops,
     and no matmul of a new shape per batch (whose cuBLAS heuristics cost host time)."""
@@ -213,7 +222,7 @@ class DenseTower(nn.Module):
         self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
         self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(d)
-        self.head = mlp(d, config.mlp_ratio * d, 1)
+        self.head = mlp(head_inputs(config, self.num_fixed_tokens), config.mlp_ratio * d, 1)
 
     def build_tokens(self, dense: torch.Tensor, categorical: torch.Tensor, history: torch.Tensor,
                      history_lengths: torch.Tensor) -> JaggedTokens:
@@ -284,6 +293,11 @@ class DenseTower(nn.Module):
         # Mean over each sample's tokens (every sample has >= n_fixed >= 1); the pad sequence is dropped.
         summed = x.new_zeros(tokens.lengths.shape[0], x.shape[1]).index_add(0, tokens.sample_ids, x)
         pooled = summed[:-1] / tokens.lengths[:-1].clamp(min=1)[:, None].to(x.dtype)
+        if self.config.readout == "fields":
+            # Sample b's fixed tokens are its first n_fixed, from offsets[b].
+            starts = tokens.offsets[:-2].long()
+            fixed = x[starts[:, None] + torch.arange(self.num_fixed_tokens, device=x.device)]
+            pooled = torch.cat([fixed.flatten(1), pooled], dim=1)
         return self.head(pooled).squeeze(-1)
 
 

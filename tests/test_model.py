@@ -336,3 +336,23 @@ def test_available_memory_reads_meminfo(tmp_path):
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   12345 kB\n")
     assert memory.available_bytes(torch.device("cpu"), meminfo) == 12345 * 1024
     assert memory.available_bytes(torch.device("cpu"), tmp_path / "none") is None
+
+
+def test_fields_readout_reads_each_samples_fixed_tokens_and_mean():
+    """readout="fields": the head reads sample b's fixed tokens after the final norm, side by side, then
+    the mean of all its tokens; samples stay apart (padding the token count changes nothing)."""
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout="fields", pad_tokens_to=64))
+    seen = {}
+    model.tower.final_norm.register_forward_hook(lambda module, args, out: seen.update(x=out.detach()))
+    model.tower.head.register_forward_pre_hook(lambda module, args: seen.update(head_input=args[0].detach()))
+    clicks, views = [0, 70, 3, 12], [2, 0, 5, 8]
+    logits, _ = model(make_batch(clicks_lengths=clicks, views_lengths=views))
+    lengths = [FIXED_TOKENS + c + v for c, v in zip(clicks, views)]
+    starts = torch.tensor([0, *lengths]).cumsum(0)
+    expected = torch.stack([torch.cat([seen["x"][start:start + FIXED_TOKENS].flatten(),
+                                       seen["x"][start:start + length].mean(0)])
+                            for start, length in zip(starts.tolist(), lengths)])
+    assert seen["head_input"].shape == (4, (FIXED_TOKENS + 1) * CONFIG.d_model)
+    torch.testing.assert_close(seen["head_input"], expected)
+    assert logits.shape == (4,) and torch.isfinite(logits).all()
