@@ -28,14 +28,16 @@ def test_block_length_square_sum_counts_partial_blocks():
     assert block_length_square_sum(np.array([0, 1, 64, 65, 200])) == 1 + 4096 + 4096 + 1 + 3 * 4096 + 8 * 8
 
 
-def test_matmul_flops_equal_pytorchs_count():
-    model = RankingModel(SCHEMA, CONFIG)
+@pytest.mark.parametrize("readout", ["mean", "fields"])  # fields: a wider head input
+def test_matmul_flops_equal_pytorchs_count(readout):
+    config = RankingModelConfig(**{**CONFIG.__dict__, "readout": readout})
+    model = RankingModel(SCHEMA, config)
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
     history = np.array([2, 70, 8, 108])
     counts = counted(model, batch)
-    attention = 4 * CONFIG.d_model * block_length_square_sum(FIXED_TOKENS + history)
+    attention = 4 * config.d_model * block_length_square_sum(FIXED_TOKENS + history)
     # Everything but attention is exactly the counter's mm + addmm, forward and backward.
-    assert train_step_flops(CONFIG, SCHEMA, history) - 3 * CONFIG.num_layers * attention == counts["mm"] + counts["addmm"]
+    assert train_step_flops(config, SCHEMA, history) - 3 * config.num_layers * attention == counts["mm"] + counts["addmm"]
 
 
 def test_attention_flops_equal_pytorchs_count_when_every_block_is_full():
@@ -70,15 +72,3 @@ def test_peak_is_the_dense_16_bit_datasheet_figure(monkeypatch, name, peak):
     assert flops.peak_flops(torch.device("cuda"), torch.bfloat16) == peak
     assert flops.peak_flops(torch.device("cuda"), torch.float32) is None
     assert flops.peak_flops(torch.device("cpu"), torch.bfloat16) is None
-
-
-def test_fields_readout_flops_equal_pytorchs_count():
-    """readout="fields" widens the head's input to the fixed tokens side by side plus the mean."""
-    config = RankingModelConfig(**{**CONFIG.__dict__, "readout": "fields"})
-    model = RankingModel(SCHEMA, config)
-    batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
-    history = np.array([2, 70, 8, 108])
-    counts = counted(model, batch)
-    attention = 4 * config.d_model * block_length_square_sum(FIXED_TOKENS + history)
-    assert train_step_flops(config, SCHEMA, history) - 3 * config.num_layers * attention == counts["mm"] + counts["addmm"]
-    assert train_step_flops(config, SCHEMA, history) > train_step_flops(CONFIG, SCHEMA, history)
