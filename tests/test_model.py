@@ -340,7 +340,7 @@ def test_available_memory_reads_meminfo(tmp_path):
 
 def test_fields_readout_reads_each_samples_fixed_tokens_and_mean():
     """readout="fields": the head reads sample b's fixed tokens after the final norm, side by side, then
-    the mean of all its tokens; samples stay apart (padding the token count changes nothing)."""
+    the mean of all its tokens, with the token count padded (a pad sequence after the samples)."""
     torch.manual_seed(0)
     model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout="fields", pad_tokens_to=64))
     seen = {}
