@@ -5,8 +5,9 @@ kernel backend's ops.
 Backends: `reference` (kernels/attention_sublayer_reference.py, the model's unfused PyTorch path), and
 `triton` and `tlx` (kernels/attention_sublayer_kernels.py): the same Triton LayerNorm and GEMM kernels
 as the fused MLP's "gemms" plan (kernels/sublayer_triton.py), around that name's block-attention
-kernel with rotary fused. Whether one can run is the same question as for block attention's backend
-of that name.
+kernel with rotary fused; the triton backend also runs each pass as one kernel per 64-token block
+(the "blocks" plan, kernels/attention_sublayer_blocks.py), where `launch` asks for it. Whether one can
+run is the same question as for block attention's backend of that name.
 
 What the kernel ops save for the backward, and why (per token, d = d_model, compute dtype):
 - saved: the projection q, k, v (3d values: the attention backward reads them, and recomputing them

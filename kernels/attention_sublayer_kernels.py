@@ -13,11 +13,20 @@ LayerNorm-backward kernel that adds the residual's gradient, writes LN(x) for dW
 and sums the LN-affine and output-bias gradients per tile.
 Invariants: as kernels/sublayer_triton.py's (d_model a power of two, 16..256) and the block-attention
 kernel's (head_dim, dtype, device); the attention kernels need no residuals from their forward.
+
+That is the "gemms" plan, the default. The "blocks" plan (kernels/attention_sublayer_blocks.py) runs
+each pass as one Triton kernel per 64-token block instead, on the triton backend; a pass picks it
+with launch={"fwd" or "bwd": {"plan": "blocks"}}, and the two passes' plans mix (both save the same
+tensors). The default stays "gemms" until an H200 run shows "blocks" faster.
 """
+
+import json
 
 import torch
 
+from .attention_sublayer_blocks import backward_blocks, blocks_launch, forward_blocks
 from .attention_sublayer_dispatch import attention_sublayer_ops
+from .backend import launch_json, launch_overrides
 from .dispatch import get_backend
 from .sublayer_dispatch import SublayerBackend
 from .sublayer_triton import (
@@ -31,6 +40,26 @@ SUPPORTED_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The output GEMM's tiles: the fused MLP forward's (kernels/mlp_sublayer_triton.py, tuned on the H200 at
 # d_model 256): 128 rows over 8 warps, a 3-deep pipeline of K steps.
 BLOCK_M, NUM_WARPS, NUM_STAGES = 128, 8, 3
+PLANS = ("gemms", "blocks")
+
+
+def _plan(name: str, launch: str, direction: str) -> str:
+    """The plan `direction` runs under launch overrides `launch`."""
+    plan = launch_overrides(launch, direction).get("plan", "gemms")
+    if plan not in PLANS:
+        raise ValueError(f"unknown attention_sublayer {direction} plan {plan!r}; choose one of {PLANS}")
+    if plan == "blocks" and name != "triton":
+        raise ValueError(f"the {name} attention_sublayer backend has no 'blocks' plan (its per-block kernels are "
+                         f"Triton's: use backend='triton')")
+    return plan
+
+
+def _attention_launch(launch: str) -> str:
+    """The overrides the block-attention kernel takes: `launch` without the sublayer's plan keys."""
+    if not launch:
+        return launch
+    return launch_json({direction: {key: value for key, value in overrides.items() if key != "plan"}
+                        for direction, overrides in json.loads(launch).items()})
 
 
 def _launchers(attention: str):
@@ -43,6 +72,10 @@ def _launchers(attention: str):
         x = rows_contiguous(x)
         norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out = (
             t.contiguous() for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out))
+        if _plan(attention, launch, "fwd") == "blocks":
+            return forward_blocks(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out, block_start, block_len,
+                                  num_blocks, cos, sin, num_heads, rotate_v, eps, blocks_launch(launch, "fwd"))
+        launch = _attention_launch(launch)
         normed, mean, rstd = layer_norm_forward(x, norm_weight, norm_bias, eps, w_qkv.dtype)
         # cuBLAS with its bias epilogue (one rounding, as F.linear): faster here than the Triton
         # bias GEMM, 0.129 against 0.190 ms on the H200 at configs/gpu.yaml's shape (attention_sublayer_h200.md).
@@ -59,6 +92,11 @@ def _launchers(attention: str):
         compute_dtype = w_qkv.dtype
         x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
         norm_weight, norm_bias, w_qkv, w_out = (t.contiguous() for t in (norm_weight, norm_bias, w_qkv, w_out))
+        if _plan(attention, launch, "bwd") == "blocks":
+            return backward_blocks(grad_y, x, norm_weight, norm_bias, w_qkv, w_out, qkv, attn, mean, rstd, block_start,
+                                   block_len, num_blocks, cos, sin, num_heads, rotate_v, eps,
+                                   blocks_launch(launch, "bwd"))
+        launch = _attention_launch(launch)
         # The output projection's output was rounded to the compute dtype; its gradient is taken in it too.
         grad_out = grad_y.to(compute_dtype).contiguous()
         attn_rows = attn.view(tokens, d_model)

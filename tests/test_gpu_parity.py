@@ -181,6 +181,21 @@ def test_attention_sublayer_parity(backend, num_heads, head_dim, dtypes, rotary)
     assert result.ok, result.summary()
 
 
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("dtypes", MLP_DTYPES)
+@pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (2, 128)))
+def test_attention_sublayer_parity_triton_blocks_plan(num_heads, head_dim, dtypes, rotary):
+    """The Triton backend's per-block kernels (kernels/attention_sublayer_blocks.py), both passes, as above."""
+    x_dtype, compute_dtype = MLP_DTYPES[dtypes]
+    if "triton" not in available_backends("cuda"):
+        pytest.skip("triton is not available on this machine")
+    result = attention_sublayer_parity("triton", lengths=RAGGED, num_heads=num_heads, head_dim=head_dim,
+                                       x_dtype=x_dtype, compute_dtype=compute_dtype, rotary=ROTARY[rotary],
+                                       device="cuda", launch={"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}})
+    print(result.summary())
+    assert result.ok, result.summary()
+
+
 @pytest.mark.parametrize("backend", ATTENTION_SUBLAYER_KERNELS)
 def test_attention_sublayer_custom_ops_pass_opcheck_on_gpu(backend):
     if backend not in available_backends("cuda"):
