@@ -7,8 +7,9 @@ writes dX, with the output projection's and the attention's backward and LayerNo
 products read back rows the same program has just stored (they must be stored anyway, and come
 back from L2): the output projection reads the block's attention output, and LN's output gradient
 (dQKV · Wqkv, accumulated in fp32) reads its dQKV; so a [64, D] fp32 accumulator is never live
-beside LN(x) or a head's temporaries (register pressure: d_model 256 at 8 warps still spills a few
-hundred bytes a thread in sm_90 compiles). The weights (Wqkv [3D, D], Wo [D, D]) are re-read by
+beside LN(x) or a head's temporaries. Register pressure is the limit of this design: at d_model 256
+and 8 warps, sm_90 compiles (fbtriton 3.7.4) still spill 256 bytes a thread in the forward and 656
+in the backward, where each [64, 256] wgmma A operand (LN(x), dY) is held through the heads. The weights (Wqkv [3D, D], Wo [D, D]) are re-read by
 every block, from L2.
 
 What still reaches HBM, and why (per token, d = d_model, compute dtype):
@@ -110,8 +111,6 @@ def _attention_sublayer_fwd_blocks(
         tl.store(mean_ptr + tokens, mean, mask=row_ok)
         tl.store(rstd_ptr + tokens, rstd, mask=row_ok)
         normed = _layer_norm_rows(x, norm_weight_ptr, norm_bias_ptr, mean, rstd, D)[1].to(dtype)
-        if ROTARY:
-            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
         for head in range(HEADS):
             # q, k, v of this head: three [BLOCK, HEAD_DIM] slices of the projection, rounded as its output is.
             qkv_offs = tokens[:, None] * (3 * D) + (head * HEAD_DIM + head_cols)[None, :]
@@ -127,6 +126,8 @@ def _attention_sublayer_fwd_blocks(
             tl.store(qkv_ptr + qkv_offs + D, k, mask=row_ok[:, None])
             tl.store(qkv_ptr + qkv_offs + 2 * D, v, mask=row_ok[:, None])
             if ROTARY:
+                # Loaded per head (from L2): held through the heads, they cost registers the kernel spills.
+                cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
                 q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
                 k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
                 if ROTATE_V:
@@ -170,8 +171,6 @@ def _attention_sublayer_bwd_blocks(
         grad_out = tl.load(grad_y_ptr + tokens[:, None] * grad_y_stride + cols[None, :], mask=row_ok[:, None],
                            other=0.0).to(dtype)
         tl.store(grad_out_ptr + tokens[:, None] * D + cols[None, :], grad_out, mask=row_ok[:, None])
-        if ROTARY:
-            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
         for head in range(HEADS):
             qkv_offs = tokens[:, None] * (3 * D) + (head * HEAD_DIM + head_cols)[None, :]
             q = tl.load(qkv_ptr + qkv_offs, mask=row_ok[:, None], other=0.0)
@@ -181,6 +180,8 @@ def _attention_sublayer_bwd_blocks(
             grad_attn = tl.dot(grad_out, _head_cols(w_out_ptr, head * HEAD_DIM, D, HEAD_DIM, False),
                                input_precision=DOT_PRECISION).to(dtype)
             if ROTARY:
+                # Loaded per head (from L2): held through the heads, they cost registers the kernel spills.
+                cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
                 q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
                 k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
                 if ROTATE_V:
