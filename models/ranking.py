@@ -78,6 +78,11 @@ class RankingModelConfig:
         readout: what the logit head reads of a sample's final tokens: "mean", their mean; "fields",
             its fixed tokens (dense, then each categorical feature) side by side plus that mean, as
             AutoInt reads its fields out, so the head sees which feature said what.
+        field_projection: how a categorical feature's embedding becomes its token: "shared", one
+            embedding_dim -> d_model linear map for every feature (and the history items), so all
+            categorical tokens lie in one embedding_dim-wide subspace, apart from their slot vectors;
+            "per_field", a linear map of its own per categorical feature (as AutoInt embeds each field
+            in its own d-wide space); history items keep the shared map.
     """
 
     d_model: int = 64
@@ -96,6 +101,7 @@ class RankingModelConfig:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     pad_tokens_to: int = 0
     readout: Literal["mean", "fields"] = "mean"
+    field_projection: Literal["shared", "per_field"] = "shared"
 
     def __post_init__(self):
         check_choices(self)
@@ -216,6 +222,11 @@ class DenseTower(nn.Module):
         d = config.d_model
         self.dense_mlp = mlp(max(num_dense, 1), config.mlp_ratio * d, config.n_dense_tokens * d)
         self.embedding_proj = nn.Linear(config.embedding_dim, d)
+        if config.field_projection == "per_field":
+            # nn.Linear's initialization, one [embedding_dim, d] map per categorical feature.
+            bound = config.embedding_dim ** -0.5
+            self.field_proj_weight = nn.Parameter(torch.empty(num_categorical, config.embedding_dim, d).uniform_(-bound, bound))
+            self.field_proj_bias = nn.Parameter(torch.empty(num_categorical, d).uniform_(-bound, bound))
         # One learned vector per token slot (each dense token, each categorical
         # feature, each sequence feature) so attention can tell the features apart.
         self.slot_embedding = nn.Embedding(self.num_fixed_tokens + num_sequence, d)
@@ -235,7 +246,11 @@ class DenseTower(nn.Module):
         n_fixed, device = self.num_fixed_tokens, dense.device
         slot = self.slot_embedding.weight
         dense_tokens = self.dense_mlp(dense).view(batch_size, self.config.n_dense_tokens, d)
-        fixed = torch.cat([dense_tokens, self.embedding_proj(categorical)], dim=1) + slot[:n_fixed]
+        if self.config.field_projection == "per_field":
+            categorical_tokens = torch.einsum("bfe,fed->bfd", categorical, self.field_proj_weight) + self.field_proj_bias
+        else:
+            categorical_tokens = self.embedding_proj(categorical)
+        fixed = torch.cat([dense_tokens, categorical_tokens], dim=1) + slot[:n_fixed]
 
         rows = torch.arange(num_rows, device=device)
         lengths = history_lengths.long()  # [n_sequence, B]

@@ -61,8 +61,12 @@ def expected_tokens(model: RankingModel, batch: Batch) -> list[torch.Tensor]:
     samples = []
     for b in range(batch.batch_size):
         rows = list(tower.dense_mlp(batch.dense[b]).view(CONFIG.n_dense_tokens, CONFIG.d_model))
-        rows.append(tower.embedding_proj(tables["t_user"].weight[user[b]]))
-        rows.append(tower.embedding_proj(tables["t_ad"].weight[ad[b]]))
+        for field, (name, ids) in enumerate((("t_user", user), ("t_ad", ad))):
+            embedding = tables[name].weight[ids[b]]
+            if model.config.field_projection == "per_field":  # categorical feature `field`'s own map
+                rows.append(embedding @ tower.field_proj_weight[field] + tower.field_proj_bias[field])
+            else:
+                rows.append(tower.embedding_proj(embedding))
         rows = [row + slot[i] for i, row in enumerate(rows)]
         for slot_index, name in enumerate(("clicks", "views"), start=FIXED_TOKENS):
             jagged = batch.sequence[name]
@@ -72,7 +76,10 @@ def expected_tokens(model: RankingModel, batch: Batch) -> list[torch.Tensor]:
     return samples
 
 
-def test_tokens_and_offsets_follow_the_layout(model):
+@pytest.mark.parametrize("field_projection", ["shared", "per_field"])
+def test_tokens_and_offsets_follow_the_layout(field_projection):
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, field_projection=field_projection))
     # 0 and 70 history items: an empty history, and one that spills into a second 64-token block.
     batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
     tokens = model.build_tokens(batch)
