@@ -67,6 +67,9 @@ class RankingModelConfig:
             projection + residual as one fused op (kernels.attention_sublayer), on the attention
             backend's kernels where it has them (triton, tlx, reference), else on the fastest that
             runs here; False is the unfused reference path.
+        attention_sublayer_plan: how the fused attention sublayer runs (kernels/attention_sublayer_kernels.py):
+            "gemms", GEMMs around the block-attention kernel; "blocks", each pass as one Triton kernel per
+            64-token block, which the triton backend alone has (so attn_backend="triton").
         fused_mlp: the same for each layer's LayerNorm + MLP + residual (kernels.mlp_sublayer).
         compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
             head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
@@ -96,6 +99,7 @@ class RankingModelConfig:
     rotate_v: bool = False
     attn_backend: AttentionBackend = "auto"
     fused_attention: bool = False
+    attention_sublayer_plan: Literal["gemms", "blocks"] = "gemms"
     fused_mlp: bool = False
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
@@ -112,6 +116,9 @@ class RankingModelConfig:
         for name in ("num_layers", "mlp_ratio", "embedding_dim", "n_dense_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.fused_attention and self.attention_sublayer_plan == "blocks" and self.attn_backend != "triton":
+            raise ValueError(f"attention_sublayer_plan='blocks' runs the triton backend's per-block kernels: set "
+                             f"attn_backend='triton' (got {self.attn_backend!r})")
         if self.pad_tokens_to < 0:
             raise ValueError(f"pad_tokens_to={self.pad_tokens_to} must be >= 0 (0: no padding)")
 
@@ -173,6 +180,8 @@ class AttentionLayer(nn.Module):
         self.attn_backend = config.attn_backend
         self.attention_sublayer_backend = config.attention_sublayer_backend if config.fused_attention else None
         self.mlp_backend = config.mlp_backend if config.fused_mlp else None
+        plan = config.attention_sublayer_plan
+        self.attention_sublayer_launch = None if plan == "gemms" else {"fwd": {"plan": plan}, "bwd": {"plan": plan}}
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
@@ -192,7 +201,8 @@ class AttentionLayer(nn.Module):
             # The same parameters (and state dict) as the unfused path, in one op.
             x = attention_sublayer(x, table, self.attn_norm.weight, self.attn_norm.bias, self.qkv.weight, self.qkv.bias,
                                    self.out_proj.weight, self.out_proj.bias, num_heads=self.num_heads, rotary=rotary,
-                                   eps=self.attn_norm.eps, backend=self.attention_sublayer_backend)
+                                   eps=self.attn_norm.eps, backend=self.attention_sublayer_backend,
+                                   launch=self.attention_sublayer_launch)
         if self.mlp_backend is None:
             return x + self.mlp(self.mlp_norm(x))
         # The same parameters (and state dict) as the unfused path, in one op.

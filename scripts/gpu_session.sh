@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, quality_wait.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
@@ -55,6 +55,10 @@ for s in "$@"; do
           --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.$switch=$fused \
           --out "$OUT/profile_step_${switch}_${fused}_h200"
       done ;;
+    # The step with the fused attention sublayer's per-block plan (triton backend), beside profile_attention's runs.
+    profile_attention_blocks) step profile_attention_blocks 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
+        --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn triton --model.net.fused_attention=true \
+        --model.net.attention_sublayer_plan=blocks --out "$OUT/profile_step_fused_attention_blocks_h200" ;;
     # What Lightning's deterministic switch (torch.use_deterministic_algorithms) costs the tlx step.
     profile_deterministic) step profile_deterministic 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
         --data.num_val=2048 --warmup 12 --steps 6 --attn tlx --trainer.deterministic=true --out "$OUT/profile_step_deterministic_h200" ;;

@@ -253,14 +253,17 @@ def test_compiled_model_matches_eager_on_cpu(model):
 FUSED_SWITCHES = {"fused_attention": "attention_sublayer_backend", "fused_mlp": "mlp_backend"}
 
 
-@pytest.mark.parametrize("backend", ("reference", "triton"))
+@pytest.mark.parametrize("backend", ("reference", "triton", "triton_blocks"))
 @pytest.mark.parametrize("switch", FUSED_SWITCHES)
 def test_fused_sublayer_switch_keeps_the_model(switch, backend):
     """model.net.fused_attention / fused_mlp run each layer's sublayer as one op on the same
     parameters (and state dict): the reference op is bitwise the unfused path; the Triton kernels
     (interpreter, fp32) match it, loss and every gradient, eager and (the kernels' custom ops inside
-    inductor's graph) compiled. d_model 64 in 2 heads: head_dim 32, the Triton attention's smallest."""
-    if backend == "triton":
+    inductor's graph) compiled; "triton_blocks" is the attention sublayer's per-block plan
+    (model.net.attention_sublayer_plan). d_model 64 in 2 heads: head_dim 32, the Triton attention's smallest."""
+    if backend == "triton_blocks" and switch != "fused_attention":
+        pytest.skip("the per-block plan is the attention sublayer's")
+    if backend.startswith("triton"):
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
@@ -277,7 +280,9 @@ def test_fused_sublayer_switch_keeps_the_model(switch, backend):
         assert getattr(fused.config, attribute) == "reference"
         # The attention backend names the sublayer's kernels; set it after the attention check above.
         for layer in fused.tower.layers:
-            setattr(layer, attribute, backend)
+            setattr(layer, attribute, backend.removesuffix("_blocks"))
+            if backend == "triton_blocks":  # what attention_sublayer_plan="blocks" (with attn_backend="triton") sets
+                layer.attention_sublayer_launch = {"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}}
         fused.load_state_dict(model.state_dict())
         loss = fused.loss(fused(batch)[0], batch.labels)
         grads = torch.autograd.grad(loss, list(fused.parameters()))
@@ -287,6 +292,16 @@ def test_fused_sublayer_switch_keeps_the_model(switch, backend):
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
         for (name, _), a, b in zip(model.named_parameters(), grads, expected_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_per_block_attention_plan_needs_the_triton_backend():
+    layer = RankingModel(SCHEMA, dataclasses.replace(CONFIG, attn_backend="triton", fused_attention=True,
+                                                     attention_sublayer_plan="blocks")).tower.layers[0]
+    assert layer.attention_sublayer_launch == {"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}}
+    assert RankingModel(SCHEMA, CONFIG).tower.layers[0].attention_sublayer_launch is None
+    with pytest.raises(ValueError, match="attention_sublayer_plan='blocks' runs the triton backend's per-block "
+                                         "kernels: set attn_backend='triton' \\(got 'tlx'\\)"):
+        RankingModelConfig(attn_backend="tlx", fused_attention=True, attention_sublayer_plan="blocks")
 
 
 @pytest.mark.parametrize("attribute", FUSED_SWITCHES.values())
