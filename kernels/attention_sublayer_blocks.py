@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from .backend import launch_overrides
-from .block_attention_triton import _INTERPRETED, _INTERPRETER_PROGRAMS, _load_rotary, _softmax_scores, rotate_pairs
+from .block_attention_triton import (_INTERPRETED, _INTERPRETER_PROGRAMS, _rotate_item, _softmax_scores,
+                                     rotate_pairs)
 from .blocks import BLOCK_SIZE
 from .sublayer_triton import _layer_norm_backward_rows, _layer_norm_rows, _row_stats, dot_precision, k_chunk, launch
 
@@ -66,9 +67,22 @@ def _head_cols(w_ptr, first_col, D: tl.constexpr, HEAD_DIM: tl.constexpr, TRANSP
 
 
 @triton.jit
-def _block_rows(start, length, BLOCK: tl.constexpr):
+def _head_projection(normed, w_ptr, b_ptr, first_row, D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """normed · W[first_row : first_row + HEAD_DIM]ᵀ + b[...]: one head's q, k or v slice of the
+    projection, rounded to the weight's dtype as the projection's output is."""
+    acc = tl.dot(normed, _head_rows(w_ptr, first_row, D, HEAD_DIM, True), input_precision=DOT_PRECISION)
+    bias = tl.load(b_ptr + first_row + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    return (acc + bias[None, :]).to(w_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _block_rows(block_start_ptr, block_len_ptr, blk, BLOCK: tl.constexpr):
+    """Block `blk` of the table: its first token, length, token indices and row mask."""
+    start = tl.load(block_start_ptr + blk)
+    length = tl.load(block_len_ptr + blk)
     rows = tl.arange(0, BLOCK)
-    return (start + rows).to(tl.int64), rows < length
+    return start, length, (start + rows).to(tl.int64), rows < length
 
 
 @triton.jit
@@ -103,9 +117,7 @@ def _attention_sublayer_fwd_blocks(
     cols = tl.arange(0, D)
     head_cols = tl.arange(0, HEAD_DIM)
     for blk in tl.range(tl.program_id(0), tl.load(num_blocks_ptr), tl.num_programs(0), num_stages=1):
-        start = tl.load(block_start_ptr + blk)
-        length = tl.load(block_len_ptr + blk)
-        tokens, row_ok = _block_rows(start, length, BLOCK)
+        start, length, tokens, row_ok = _block_rows(block_start_ptr, block_len_ptr, blk, BLOCK)
         x = tl.load(x_ptr + tokens[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         mean, rstd = _row_stats(x, eps, D)
         tl.store(mean_ptr + tokens, mean, mask=row_ok)
@@ -114,24 +126,15 @@ def _attention_sublayer_fwd_blocks(
         for head in range(HEADS):
             # q, k, v of this head: three [BLOCK, HEAD_DIM] slices of the projection, rounded as its output is.
             qkv_offs = tokens[:, None] * (3 * D) + (head * HEAD_DIM + head_cols)[None, :]
-            q = tl.dot(normed, _head_rows(w_qkv_ptr, head * HEAD_DIM, D, HEAD_DIM, True), input_precision=DOT_PRECISION)
-            q = (q + tl.load(b_qkv_ptr + head * HEAD_DIM + head_cols).to(tl.float32)[None, :]).to(dtype)
-            k = tl.dot(normed, _head_rows(w_qkv_ptr, D + head * HEAD_DIM, D, HEAD_DIM, True),
-                       input_precision=DOT_PRECISION)
-            k = (k + tl.load(b_qkv_ptr + D + head * HEAD_DIM + head_cols).to(tl.float32)[None, :]).to(dtype)
-            v = tl.dot(normed, _head_rows(w_qkv_ptr, 2 * D + head * HEAD_DIM, D, HEAD_DIM, True),
-                       input_precision=DOT_PRECISION)
-            v = (v + tl.load(b_qkv_ptr + 2 * D + head * HEAD_DIM + head_cols).to(tl.float32)[None, :]).to(dtype)
+            q = _head_projection(normed, w_qkv_ptr, b_qkv_ptr, head * HEAD_DIM, D, HEAD_DIM, DOT_PRECISION)
+            k = _head_projection(normed, w_qkv_ptr, b_qkv_ptr, D + head * HEAD_DIM, D, HEAD_DIM, DOT_PRECISION)
+            v = _head_projection(normed, w_qkv_ptr, b_qkv_ptr, 2 * D + head * HEAD_DIM, D, HEAD_DIM, DOT_PRECISION)
             tl.store(qkv_ptr + qkv_offs, q, mask=row_ok[:, None])
             tl.store(qkv_ptr + qkv_offs + D, k, mask=row_ok[:, None])
             tl.store(qkv_ptr + qkv_offs + 2 * D, v, mask=row_ok[:, None])
             if ROTARY:
-                # Loaded per head (from L2): held through the heads, they cost registers the kernel spills.
-                cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-                q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                if ROTATE_V:
-                    v = rotate_pairs(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+                # cos/sin loaded per head (from L2): held through the heads, they cost registers the kernel spills.
+                q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM, ROTATE_V)
             p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
             out = (tl.dot(p.to(dtype), v, input_precision=DOT_PRECISION) / row_sum[:, None]).to(dtype)
             tl.store(attn_ptr + tokens[:, None] * D + (head * HEAD_DIM + head_cols)[None, :], out, mask=row_ok[:, None])
@@ -164,9 +167,7 @@ def _attention_sublayer_bwd_blocks(
     cols = tl.arange(0, D)
     head_cols = tl.arange(0, HEAD_DIM)
     for blk in tl.range(tl.program_id(0), tl.load(num_blocks_ptr), tl.num_programs(0), num_stages=1):
-        start = tl.load(block_start_ptr + blk)
-        length = tl.load(block_len_ptr + blk)
-        tokens, row_ok = _block_rows(start, length, BLOCK)
+        start, length, tokens, row_ok = _block_rows(block_start_ptr, block_len_ptr, blk, BLOCK)
         # The output projection's output was rounded to the compute dtype; its gradient is taken in it too.
         grad_out = tl.load(grad_y_ptr + tokens[:, None] * grad_y_stride + cols[None, :], mask=row_ok[:, None],
                            other=0.0).to(dtype)
@@ -180,12 +181,8 @@ def _attention_sublayer_bwd_blocks(
             grad_attn = tl.dot(grad_out, _head_cols(w_out_ptr, head * HEAD_DIM, D, HEAD_DIM, False),
                                input_precision=DOT_PRECISION).to(dtype)
             if ROTARY:
-                # Loaded per head (from L2): held through the heads, they cost registers the kernel spills.
-                cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
-                q = rotate_pairs(q.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                k = rotate_pairs(k.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
-                if ROTATE_V:
-                    v = rotate_pairs(v.to(tl.float32), cos, sin, BLOCK, HEAD_DIM, False).to(dtype)
+                # cos/sin loaded per head (from L2): held through the heads, they cost registers the kernel spills.
+                q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM, ROTATE_V)
             p, row_sum = _softmax_scores(q, k, length, qk_scale, BLOCK, DOT_PRECISION)
             p = p / row_sum[:, None]
             dp = tl.dot(grad_attn, tl.trans(v), input_precision=DOT_PRECISION)
