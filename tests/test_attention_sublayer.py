@@ -157,8 +157,9 @@ def test_autocast_picks_the_matmul_dtype():
 def test_empty_batch():
     leaves = [x.requires_grad_() for x in _leaves(0)]
     for offsets in (torch.tensor([0], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32)):
-        for backend in ("triton", "reference"):
-            y = attention_sublayer(leaves[0], offsets, *leaves[1:], num_heads=2, rotary=Rotary(), backend=backend)
+        for backend, launch in (("triton", None), ("triton", PLANS["blocks"]), ("reference", None)):
+            y = attention_sublayer(leaves[0], offsets, *leaves[1:], num_heads=2, rotary=Rotary(), backend=backend,
+                                   launch=launch)
             assert y.shape == (0, 64)
             grads = torch.autograd.grad(y, leaves, torch.zeros_like(y))
             assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
