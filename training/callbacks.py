@@ -51,10 +51,11 @@ class StepMetrics(Callback):
     steps on the H200, issue 21). Before a validation or checkpoint and at the end, where the host
     waits anyway, every row is logged. Lightning's ThroughputMonitor synchronizes the device every
     step instead, which stops the host from queueing the next step's kernels while this one runs.
-    TensorBoard gets the newest row of each flush, the other loggers (metrics.csv) every row: a
-    TensorBoardLogger row of these 7 metrics cost 757 us of host time on the 2-core dev CPU (CSV: 24 us),
-    so ten of them made every 10th step the slow one where the host is the bottleneck (tlx on the
-    H200, 2026-12-04: steps 9 mod 10 took 22.7 ms against ~16).
+    TensorBoard gets the newest row of each flush, the other loggers (metrics.csv) every row: in a
+    one-off timing on the 2-core dev CPU (200 log_metrics calls each) a TensorBoardLogger row of these
+    7 metrics cost 757 us of host time, a CSVLogger row 24 us. Ten TensorBoard rows a tick may be why
+    every 10th step was the slow one where the host is the bottleneck (tlx on the H200, 2026-12-04:
+    steps 9 mod 10 took 22.7 ms against ~16); that this change removes it is not yet measured there.
     """
 
     def __init__(self, peak_flops: float | None = None):
