@@ -56,8 +56,15 @@ def forward_flops(config: RankingModelConfig, schema: FeatureSchema, history_len
     # Per layer: qkv (d -> 3d), out projection (d -> d), MLP (d -> hidden -> d).
     projections = 2 * num_tokens * d * (3 * d + d + 2 * hidden)
     attention = 4 * d * block_length_square_sum(tokens)
-    head = 2 * batch_size * (head_inputs(config, fixed_token_count(config, schema)) * hidden + hidden)
-    return dense_mlp + embedding_proj + config.num_layers * (projections + attention) + head
+    n_fixed = fixed_token_count(config, schema)
+    head = 2 * batch_size * (head_inputs(config, n_fixed) * hidden + hidden)
+    return dense_mlp + embedding_proj + config.num_layers * (projections + attention) + head + readout_dot_flops(
+        config, batch_size, n_fixed)
+
+
+def readout_dot_flops(config: RankingModelConfig, batch_size: int, num_fixed_tokens: int) -> int:
+    """The "fields_dot" readout's dot products (a batched [n, d] x [d, n] product per sample, the whole square)."""
+    return 2 * batch_size * num_fixed_tokens**2 * config.d_model if config.readout == "fields_dot" else 0
 
 
 def train_step_flops(config: RankingModelConfig, schema: FeatureSchema, history_lengths: np.ndarray) -> int:

@@ -80,7 +80,10 @@ class RankingModelConfig:
             so a compiled tower sees a few shapes instead of one per batch.
         readout: what the logit head reads of a sample's final tokens: "mean", their mean; "fields",
             its fixed tokens (dense, then each categorical feature) side by side plus that mean, as
-            AutoInt reads its fields out, so the head sees which feature said what.
+            AutoInt reads its fields out, so the head sees which feature said what; "fields_dot", those
+            plus the dot product of every pair of fixed tokens (DLRM's interaction, over the attention's
+            output): a product such as user x item, which an MLP on the concatenation learns poorly, is
+            then one input of the head.
         field_projection: how a categorical feature's embedding becomes its token: "shared", one
             embedding_dim -> d_model linear map for every feature (and the history items), so all
             categorical tokens lie in one embedding_dim-wide subspace, apart from their slot vectors;
@@ -104,7 +107,7 @@ class RankingModelConfig:
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     pad_tokens_to: int = 0
-    readout: Literal["mean", "fields"] = "mean"
+    readout: Literal["mean", "fields", "fields_dot"] = "mean"
     field_projection: Literal["shared", "per_field"] = "shared"
 
     def __post_init__(self):
@@ -213,7 +216,10 @@ class AttentionLayer(nn.Module):
 
 def head_inputs(config: RankingModelConfig, num_fixed_tokens: int) -> int:
     """The logit head's input width under config.readout."""
-    return config.d_model * (num_fixed_tokens + 1 if config.readout == "fields" else 1)
+    if config.readout == "mean":
+        return config.d_model
+    pairs = num_fixed_tokens * (num_fixed_tokens - 1) // 2 if config.readout == "fields_dot" else 0
+    return config.d_model * (num_fixed_tokens + 1) + pairs
 
 
 class DenseTower(nn.Module):
@@ -318,11 +324,17 @@ class DenseTower(nn.Module):
         # Mean over each sample's tokens (every sample has >= n_fixed >= 1); the pad sequence is dropped.
         summed = x.new_zeros(tokens.lengths.shape[0], x.shape[1]).index_add(0, tokens.sample_ids, x)
         pooled = summed[:-1] / tokens.lengths[:-1].clamp(min=1)[:, None].to(x.dtype)
-        if self.config.readout == "fields":
+        if self.config.readout != "mean":
             # Sample b's fixed tokens are its first n_fixed, from offsets[b].
             starts = tokens.offsets[:-2].long()
             fixed = x[starts[:, None] + torch.arange(self.num_fixed_tokens, device=x.device)]
-            pooled = torch.cat([fixed.flatten(1), pooled], dim=1)
+            head_input = [fixed.flatten(1), pooled]
+            if self.config.readout == "fields_dot":
+                # Scaled as attention's scores: after the final norm a token's norm is ~sqrt(d_model).
+                dots = torch.bmm(fixed, fixed.transpose(1, 2)) * fixed.shape[-1] ** -0.5
+                first, second = torch.triu_indices(self.num_fixed_tokens, self.num_fixed_tokens, 1, device=x.device)
+                head_input.append(dots[:, first, second])
+            pooled = torch.cat(head_input, dim=1)
         return self.head(pooled).squeeze(-1)
 
 

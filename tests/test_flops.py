@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from data.batch import Batch
 from models import RankingModel, RankingModelConfig
 from kernels.blocks import max_num_blocks
-from models.flops import block_length_square_sum, forward_flops, train_step_flops, train_step_min_bytes
+from models.flops import block_length_square_sum, forward_flops, readout_dot_flops, train_step_flops, train_step_min_bytes
 from tests.test_model import SCHEMA, make_batch
 
 CONFIG = RankingModelConfig(d_model=32, num_heads=2, num_layers=2, mlp_ratio=2, embedding_dim=8, n_dense_tokens=2)
@@ -28,7 +28,7 @@ def test_block_length_square_sum_counts_partial_blocks():
     assert block_length_square_sum(np.array([0, 1, 64, 65, 200])) == 1 + 4096 + 4096 + 1 + 3 * 4096 + 8 * 8
 
 
-@pytest.mark.parametrize("readout", ["mean", "fields"])  # fields: a wider head input
+@pytest.mark.parametrize("readout", ["mean", "fields", "fields_dot"])  # fields: a wider head input; fields_dot: a bmm
 def test_matmul_flops_equal_pytorchs_count(readout):
     config = RankingModelConfig(**{**CONFIG.__dict__, "readout": readout})
     model = RankingModel(SCHEMA, config)
@@ -36,8 +36,11 @@ def test_matmul_flops_equal_pytorchs_count(readout):
     history = np.array([2, 70, 8, 108])
     counts = counted(model, batch)
     attention = 4 * config.d_model * block_length_square_sum(FIXED_TOKENS + history)
-    # Everything but attention is exactly the counter's mm + addmm, forward and backward.
-    assert train_step_flops(config, SCHEMA, history) - 3 * config.num_layers * attention == counts["mm"] + counts["addmm"]
+    dots = readout_dot_flops(config, len(history), FIXED_TOKENS)
+    assert (dots > 0) == (readout == "fields_dot")
+    # Everything but attention and the readout's dots is exactly the counter's mm + addmm, forward and backward.
+    assert train_step_flops(config, SCHEMA, history) - 3 * (config.num_layers * attention + dots) == (
+        counts["mm"] + counts["addmm"])
 
 
 def test_attention_flops_equal_pytorchs_count_when_every_block_is_full():

@@ -233,10 +233,13 @@ def test_padding_the_token_count_changes_no_logit(model):
     assert padded_tokens.offsets[-1] == padded_tokens.num_tokens
 
 
-def test_compiled_model_matches_eager_on_cpu(model):
+@pytest.mark.parametrize("readout", ["mean", "fields_dot"])  # fields_dot: the readout with the most ops
+def test_compiled_model_matches_eager_on_cpu(readout):
     """torch.compile of the token-interaction stack (inductor on CPU, reference attention), padded to
     a few token counts as the GPU config pads them: the same logits and gradients as eager."""
-    compiled = RankingModel(SCHEMA, dataclasses.replace(CONFIG, compile=True, pad_tokens_to=64))
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout))
+    compiled = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout, compile=True, pad_tokens_to=64))
     compiled.load_state_dict(model.state_dict())
     for seed, lengths in enumerate(([0, 70, 3, 100], [5, 1, 64, 0])):
         batch = make_batch(clicks_lengths=lengths, views_lengths=[2, 0, 5, 8], seed=seed)
@@ -360,11 +363,13 @@ def test_available_memory_reads_meminfo(tmp_path):
     assert memory.available_bytes(torch.device("cpu"), tmp_path / "none") is None
 
 
-def test_fields_readout_reads_each_samples_fixed_tokens_and_mean():
+@pytest.mark.parametrize("readout", ["fields", "fields_dot"])
+def test_fields_readout_reads_each_samples_fixed_tokens_and_mean(readout):
     """readout="fields": the head reads sample b's fixed tokens after the final norm, side by side, then
-    the mean of all its tokens, with the token count padded (a pad sequence after the samples)."""
+    the mean of all its tokens, with the token count padded (a pad sequence after the samples);
+    "fields_dot" then also every pair's dot product / sqrt(d_model), pairs in row-major order."""
     torch.manual_seed(0)
-    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout="fields", pad_tokens_to=64))
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout, pad_tokens_to=64))
     seen = {}
     model.tower.final_norm.register_forward_hook(lambda module, args, out: seen.update(x=out.detach()))
     model.tower.head.register_forward_pre_hook(lambda module, args: seen.update(head_input=args[0].detach()))
@@ -372,9 +377,17 @@ def test_fields_readout_reads_each_samples_fixed_tokens_and_mean():
     logits, _ = model(make_batch(clicks_lengths=clicks, views_lengths=views))
     lengths = [FIXED_TOKENS + c + v for c, v in zip(clicks, views)]
     starts = torch.tensor([0, *lengths]).cumsum(0)
-    expected = torch.stack([torch.cat([seen["x"][start:start + FIXED_TOKENS].flatten(),
-                                       seen["x"][start:start + length].mean(0)])
-                            for start, length in zip(starts.tolist(), lengths)])
-    assert seen["head_input"].shape == (4, (FIXED_TOKENS + 1) * CONFIG.d_model)
+
+    def expected_row(start, length):
+        fixed = seen["x"][start:start + FIXED_TOKENS]
+        row = [fixed.flatten(), seen["x"][start:start + length].mean(0)]
+        if readout == "fields_dot":
+            row.append(torch.stack([fixed[i] @ fixed[j] / CONFIG.d_model ** 0.5
+                                    for i in range(FIXED_TOKENS) for j in range(i + 1, FIXED_TOKENS)]))
+        return torch.cat(row)
+
+    expected = torch.stack([expected_row(start, length) for start, length in zip(starts.tolist(), lengths)])
+    pairs = FIXED_TOKENS * (FIXED_TOKENS - 1) // 2 if readout == "fields_dot" else 0
+    assert seen["head_input"].shape == (4, (FIXED_TOKENS + 1) * CONFIG.d_model + pairs)
     torch.testing.assert_close(seen["head_input"], expected)
     assert logits.shape == (4,) and torch.isfinite(logits).all()
