@@ -236,15 +236,14 @@ class BlocksLaunch:
     num_warps: int = 8
 
 
-def overrides_without_plan(launch: str, direction: str) -> dict:
-    """The direction's overrides from `launch` (kernels.backend.launch_json form) but the sublayer's "plan"
-    key: what the plan's own kernels take."""
-    return {key: value for key, value in launch_overrides(launch, direction).items() if key != "plan"}
+def without_plan(overrides: dict) -> dict:
+    """One pass's launch overrides but the sublayer's "plan" key: what the plan's own kernels take."""
+    return {key: value for key, value in overrides.items() if key != "plan"}
 
 
 def blocks_launch(launch: str, direction: str) -> BlocksLaunch:
-    """The direction's settings from `launch`, its "plan" key aside."""
-    overrides = overrides_without_plan(launch, direction)
+    """The direction's settings from `launch` (kernels.backend.launch_json form), its "plan" key aside."""
+    overrides = without_plan(launch_overrides(launch, direction))
     unknown = set(overrides) - {f.name for f in fields(BlocksLaunch)}
     if unknown:
         raise ValueError(f"unknown attention_sublayer 'blocks' {direction} launch settings {sorted(unknown)}; "

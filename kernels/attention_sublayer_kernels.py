@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from .attention_sublayer_blocks import backward_blocks, blocks_launch, forward_blocks, overrides_without_plan
+from .attention_sublayer_blocks import backward_blocks, blocks_launch, forward_blocks, without_plan
 from .attention_sublayer_dispatch import attention_sublayer_ops
 from .backend import launch_json, launch_overrides
 from .dispatch import get_backend
@@ -58,7 +58,7 @@ def _attention_launch(launch: str) -> str:
     """The overrides the block-attention kernel takes: `launch` without the sublayer's plan keys."""
     if not launch:
         return launch
-    return launch_json({direction: overrides_without_plan(launch, direction) for direction in json.loads(launch)})
+    return launch_json({direction: without_plan(overrides) for direction, overrides in json.loads(launch).items()})
 
 
 def _launchers(attention: str):
