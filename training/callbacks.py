@@ -111,19 +111,17 @@ class StepMetrics(Callback):
         if not logged:
             return None
         # The newest event read: every loss copy of the logged steps was queued before it.
-        newest = finished[len(logged)]["start"] if keep_last else logged[-1]["end"]
-        if not isinstance(newest, float):
-            newest.synchronize()  # a wait only when it is the current step's (validation, checkpoint, end)
-        shown = None
+        newest_event = finished[len(logged)]["start"] if keep_last else logged[-1]["end"]
+        if not isinstance(newest_event, float):
+            newest_event.synchronize()  # a wait only when it is the current step's (validation, checkpoint, end)
         every_row = [logger for logger in trainer.loggers if not isinstance(logger, TensorBoardLogger)]
         newest_row = [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
         for record, following in zip(logged, [*finished[1:], None]):
             seconds = self._seconds(record["start"], following["start"] if following else record["end"])
             seconds /= len(record["steps"])
             for offset, step in enumerate(record["steps"]):
-                loss = float(step["loss"])
                 metrics = {
-                    "train/loss": loss, "train/lr": step["lr"], "train/step_ms": seconds * 1e3,
+                    "train/loss": float(step["loss"]), "train/lr": step["lr"], "train/step_ms": seconds * 1e3,
                     "train/samples_per_s": step["samples"] / seconds, "train/tokens_per_s": step["tokens"] / seconds,
                     "train/tflops": step["flops"] / seconds / 1e12,
                 }
@@ -131,12 +129,12 @@ class StepMetrics(Callback):
                     metrics["train/mfu"] = step["flops"] / seconds / self.peak_flops
                 for logger in every_row:
                     logger.log_metrics(metrics, step=record["step"] + offset)
-                shown, newest = loss, (metrics, record["step"] + offset)
+                last_row = metrics, record["step"] + offset
         for logger in newest_row:
-            logger.log_metrics(newest[0], step=newest[1])
+            logger.log_metrics(last_row[0], step=last_row[1])
         self.pending = self.pending[len(logged):]  # the logged records are the oldest ones
         self.window_start = max(self.window_start - len(logged), 0)
-        return shown
+        return last_row[0]["train/loss"]
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if trainer.state.fn == "fit":  # the step before a validation ends at its own end
