@@ -94,8 +94,9 @@ class RankingModelConfig:
             embedding rows (uniform within +-1/sqrt(rows), ~0.01-0.03) the feature's value is then ~0.002%
             of a token's squared size at MovieLens-1M's sizes, and the model first trains as if it saw no
             feature values (a loss plateau for the first tens of steps on MovieLens). "small_slots": slot
-            vectors N(0, 0.02) and zero biases: the value's share starts ~2700x larger (~5%; 4.9% against 0.0018% measured at those sizes), and the
-            LayerNorms that read the token scale it up (the baselines add no constant to their embeddings).
+            vectors N(0, 0.02) and zero biases: the value's share starts ~2700x larger (4.9% against
+            0.0018%, measured at those sizes), and the LayerNorms that read the token scale it up (the
+            baselines add no constant to their embeddings).
     """
 
     d_model: int = 64
