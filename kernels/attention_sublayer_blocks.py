@@ -10,7 +10,9 @@ back from L2): the output projection reads the block's attention output, and LN'
 beside LN(x) or a head's temporaries. Register pressure is the limit of this design: at d_model 256
 and 8 warps, sm_90 compiles (fbtriton 3.7.4) still spill 256 bytes a thread in the forward and 656
 in the backward, where each [64, 256] wgmma A operand (LN(x), dY) is held through the heads. The weights (Wqkv [3D, D], Wo [D, D]) are re-read by
-every block, from L2.
+every block, from L2. On the H200 (benchmarks/results/attention_sublayer_h200.md) it passes the parity
+rule but runs 2.2x slower than the "gemms" plan: a program goes through its block's stages in series,
+with nothing hiding the weights' L2 latency; overlapping them is the warp-specialized TLX design's job.
 
 What still reaches HBM, and why (per token, d = d_model, compute dtype):
 - the forward writes q, k, v (3d) and the attention output (d) for the backward, and LN's statistics:

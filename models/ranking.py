@@ -69,7 +69,8 @@ class RankingModelConfig:
             runs here; False is the unfused reference path.
         attention_sublayer_plan: how the fused attention sublayer runs (kernels/attention_sublayer_kernels.py):
             "gemms", GEMMs around the block-attention kernel; "blocks", each pass as one Triton kernel per
-            64-token block, which the triton backend alone has (so attn_backend="triton").
+            64-token block, which the triton backend alone has (so attn_backend="triton"); 2.2x slower
+            than "gemms" on the H200 (benchmarks/results/attention_sublayer_h200.md).
         fused_mlp: the same for each layer's LayerNorm + MLP + residual (kernels.mlp_sublayer).
         compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
             head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
