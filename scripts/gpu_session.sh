@@ -4,12 +4,13 @@
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
 # Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
-# compare_wait, sharded, quality_start, quality_wait.
+# compare_wait, sharded, quality_start, history_start, quality_wait.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
 # for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
 # quality_start / quality_wait do the same for issue 23's tuning (benchmarks/quality.py tune) on MovieLens-1M,
-# whose raw files come from scripts/pack_ml1m.sh's pack, carried into /tmp by a call of its own (see that script).
+# whose raw files come from scripts/pack_ml1m.sh's pack, carried into /tmp by a call of its own (see that script);
+# history_start, waited for by quality_wait too, trains the time split with and without history (no tuning).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 # In-process inductor compiles: its compile subprocesses failed under fbtriton on torch 2.11 (first H200 run).
@@ -19,6 +20,12 @@ GPU_DATA=(--config configs/gpu.yaml --data.data_dir=/tmp/data_cache)
 # The sharded path as the comparison's variant runs it: torchrec DMP, fbgemm's fused Adam on the tables.
 SHARDED_CONFIGS=(--config configs/sharded.yaml --config configs/sharded_adam.yaml)
 summary=()
+ml1m_data() {  # unpacks the carried MovieLens-1M pack into the data cache once; fails when there is none
+  mkdir -p /tmp/data_cache
+  local pack; pack=$(ls /tmp/ml1m_raw.tar.xz .gpu-data/ml1m_raw.tar.xz 2>/dev/null | head -1)
+  [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache
+  [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter ]]
+}
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
@@ -96,11 +103,8 @@ for s in "$@"; do
       # arguments (e.g. --size candidates); a tuning cut short in an earlier session resumes from its
       # quality_runs.tgz carried as .gpu/quality_runs.tgz. Block attention on triton: the MovieLens configs train in
       # fp32, as the baselines do, and the TLX kernels take bf16/fp16 only.
-      mkdir -p /tmp/data_cache
-      pack=$(ls /tmp/ml1m_raw.tar.xz .gpu-data/ml1m_raw.tar.xz 2>/dev/null | head -1)
-      [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache
       [[ -f .gpu/quality_runs.tgz && ! -d /tmp/quality ]] && tar xzf .gpu/quality_runs.tgz -C /tmp
-      if [[ ! -f /tmp/data_cache/raw/ml-1m/ml-1m.inter ]]; then
+      if ! ml1m_data; then
         summary+=("quality_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")
       else
         # 1160 steps = 8 epochs of RecBole's protocol (batch 4096); two dataloader workers a run, as runs share the host.
@@ -111,12 +115,33 @@ for s in "$@"; do
           done' > /tmp/quality.log 2>&1 < /dev/null &
         summary+=("quality_start: started, log /tmp/quality.log")
       fi ;;
-    quality_wait) for _ in $(seq $(( ${QUALITY_WAIT_S:-570} / 5 ))); do pgrep -f "benchmarks.quality tune" > /dev/null || break; sleep 5; done
+    history_start)  # issue 23's time split (time_split_history, then time_split_no_history: the same samples without
+      # the history feature), one comparison each: every model at the point its RecBole ML-1M tuning chose
+      # (benchmarks/results/quality_ml1m.md; ours from quality_ml1m_retune.md, configs/movielens1m.yaml's), so every
+      # model had the same budget, spent on the other protocol; 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of
+      # the 800,164 training rows), 6 runs at a time. Resumes from a carried .gpu/quality_runs.tgz as quality_start.
+      [[ -f .gpu/quality_runs.tgz && ! -d /tmp/quality ]] && tar xzf .gpu/quality_runs.tgz -C /tmp
+      if ! ml1m_data; then
+        summary+=("history_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")
+      else
+        setsid nohup bash -c 'for history in 256 0; do
+            protocol=$([[ $history == 0 ]] && echo time_split_no_history || echo time_split_history)
+            python3 train.py compare --attn ${QUALITY_ATTN:-triton} --config configs/movielens1m.yaml \
+              --data.protocol=time_split_history --data.max_history_len=$history --data.data_dir=/tmp/data_cache \
+              --data.num_workers=2 --variant lr ${QUALITY_ATTN:-triton} configs/lr.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01 \
+              --variant dlrm ${QUALITY_ATTN:-triton} configs/dlrm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1 \
+              --variant dcnv2 ${QUALITY_ATTN:-triton} configs/dcnv2.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01 \
+              --variant deepfm ${QUALITY_ATTN:-triton} configs/deepfm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1 \
+              --steps ${HISTORY_STEPS:-1563} --seeds 3 --jobs 6 --out /tmp/quality/$protocol
+          done' > /tmp/quality.log 2>&1 < /dev/null &
+        summary+=("history_start: started, log /tmp/quality.log")
+      fi ;;
+    quality_wait) for _ in $(seq $(( ${QUALITY_WAIT_S:-570} / 5 ))); do pgrep -f "benchmarks.quality tune|--out /tmp/quality/" > /dev/null || break; sleep 5; done
       cp /tmp/quality.log "$OUT"/quality.log
       # Every tuning folder without checkpoints: `python -m benchmarks.quality --protocol NAME=FOLDER ...` reports from it
       # here, and a tuning cut short resumes from it (carried back as .gpu/quality_runs.tgz).
       tar czf "$OUT"/quality_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp quality 2>/dev/null
-      summary+=("quality_wait: $(pgrep -f 'benchmarks.quality tune' > /dev/null && echo still running || echo finished) :: $(grep -E 'ok in|FAILED|error' /tmp/quality.log | tail -2 | tr '\n' ' ')") ;;
+      summary+=("quality_wait: $(pgrep -f 'benchmarks.quality tune|--out /tmp/quality/' > /dev/null && echo still running || echo finished) :: $(grep -E 'ok in|FAILED|error' /tmp/quality.log | tail -2 | tr '\n' ' ')") ;;
     sharded) step sharded 580 python3 -m torch.distributed.run --standalone --nproc-per-node 1 train.py "${GPU_DATA[@]}" --config configs/sharded.yaml --trainer.devices=1 --runs_dir=/tmp/runs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
