@@ -55,7 +55,9 @@ class StepMetrics(Callback):
     one-off timing on the 2-core dev CPU (200 log_metrics calls each) a TensorBoardLogger row of these
     7 metrics cost 757 us of host time, a CSVLogger row 24 us. Ten TensorBoard rows a tick may be why
     every 10th step was the slow one where the host is the bottleneck (tlx on the H200, 2026-12-04:
-    steps 9 mod 10 took 22.7 ms against ~16); that this change removes it is not yet measured there.
+    steps 9 mod 10 took 22.7 ms against ~16). With these changes, on an H100 (compare_h100.md), each
+    step index mod 10 has a median within 0.05 ms of the others for every backend (tlx 17.61-17.66 ms);
+    whether the H200's faster tlx step is as flat is not yet measured.
     """
 
     def __init__(self, peak_flops: float | None = None):
