@@ -56,7 +56,7 @@ class StepMetrics(Callback):
     7 metrics cost 757 us of host time, a CSVLogger row 24 us. Ten TensorBoard rows a tick may be why
     every 10th step was the slow one where the host is the bottleneck (tlx on the H200, 2026-12-04:
     steps 9 mod 10 took 22.7 ms against ~16). With these changes, on an H100 (compare_h100.md), each
-    step index mod 10 has a median within 0.05 ms of the others for every backend (tlx 17.61-17.66 ms);
+    step index mod 10 has a median within 0.06 ms of the others for tlx (17.61-17.66 ms), triton and fa2;
     whether the H200's faster tlx step is as flat is not yet measured.
     """
 
