@@ -14,10 +14,12 @@ and sums the LN-affine and output-bias gradients per tile.
 Invariants: as kernels/sublayer_triton.py's (d_model a power of two, 16..256) and the block-attention
 kernel's (head_dim, dtype, device); the attention kernels need no residuals from their forward.
 
-That is the "gemms" plan, the default. The "blocks" plan (kernels/attention_sublayer_blocks.py) runs
-each pass as one Triton kernel per 64-token block instead, on the triton backend; a pass picks it
-with launch={"fwd" or "bwd": {"plan": "blocks"}}, and the two passes' plans mix (both save the same
-tensors). The default stays "gemms" until an H200 run shows "blocks" faster.
+That is the "gemms" plan, the default. The "blocks" plan runs each pass as one kernel per 64-token
+block instead: on the triton backend both passes are Triton kernels (kernels/attention_sublayer_blocks.py);
+on the tlx backend the forward is a warp-specialized TLX kernel (kernels/attention_sublayer_tlx.py) and
+the backward Triton's per-block kernel (there is no TLX one yet). A pass picks it with
+launch={"fwd" or "bwd": {"plan": "blocks"}}, and the two passes' plans mix (both save the same
+tensors). The default stays "gemms" until a GPU run shows "blocks" faster.
 """
 
 import json
@@ -26,6 +28,7 @@ import torch
 
 from .attention_sublayer_blocks import backward_blocks, blocks_launch, forward_blocks, without_plan
 from .attention_sublayer_dispatch import attention_sublayer_ops
+from .attention_sublayer_tlx import forward_blocks_tlx
 from .backend import launch_json, launch_overrides
 from .dispatch import get_backend
 from .sublayer_dispatch import SublayerBackend
@@ -43,14 +46,11 @@ BLOCK_M, NUM_WARPS, NUM_STAGES = 128, 8, 3
 PLANS = ("gemms", "blocks")
 
 
-def _plan(name: str, launch: str, direction: str) -> str:
+def _plan(launch: str, direction: str) -> str:
     """The plan `direction` runs under launch overrides `launch`."""
     plan = launch_overrides(launch, direction).get("plan", "gemms")
     if plan not in PLANS:
         raise ValueError(f"unknown attention_sublayer {direction} plan {plan!r}; choose one of {PLANS}")
-    if plan == "blocks" and name != "triton":
-        raise ValueError(f"the {name} attention_sublayer backend has no 'blocks' plan (its per-block kernels are "
-                         f"Triton's: use backend='triton')")
     return plan
 
 
@@ -71,7 +71,10 @@ def _launchers(attention: str):
         x = rows_contiguous(x)
         norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out = (
             t.contiguous() for t in (norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out))
-        if _plan(attention, launch, "fwd") == "blocks":
+        if _plan(launch, "fwd") == "blocks":
+            if attention == "tlx":
+                return forward_blocks_tlx(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out, block_start,
+                                          block_len, num_blocks, cos, sin, num_heads, rotate_v, eps, launch)
             return forward_blocks(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out, block_start, block_len,
                                   num_blocks, cos, sin, num_heads, rotate_v, eps, blocks_launch(launch, "fwd"))
         launch = _attention_launch(launch)
@@ -91,7 +94,7 @@ def _launchers(attention: str):
         compute_dtype = w_qkv.dtype
         x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
         norm_weight, norm_bias, w_qkv, w_out = (t.contiguous() for t in (norm_weight, norm_bias, w_qkv, w_out))
-        if _plan(attention, launch, "bwd") == "blocks":
+        if _plan(launch, "bwd") == "blocks":
             return backward_blocks(grad_y, x, norm_weight, norm_bias, w_qkv, w_out, qkv, attn, mean, rstd, block_start,
                                    block_len, num_blocks, cos, sin, num_heads, rotate_v, eps,
                                    blocks_launch(launch, "bwd"))

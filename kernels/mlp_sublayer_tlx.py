@@ -37,6 +37,7 @@ try:
     # One GELU (and its derivative) for both backends; LayerNorm's backward is the Triton kernel's.
     from .mlp_sublayer_triton import _backward as _triton_backward
     from .sublayer_triton import _gelu, _gelu_and_grad, layer_norm_backward
+    from .sublayer_tlx import _layer_norm_to_smem, _load_x_slice, _residual_store
 
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
@@ -127,11 +128,6 @@ if HAS_TLX:
         return pid, nprog, tl.maximum(tl.cdiv(num_groups - pid, nprog), 0)
 
     @triton.jit
-    def _load_x_slice(x_ptr, rows64, row_ok, c, D: tl.constexpr, CHUNK: tl.constexpr):
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        return tl.load(x_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-
-    @triton.jit
     def _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks,
                            SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNK: tl.constexpr):
         """The producer's step k: waits for ring slot k % NUM_STAGES to be free, then loads hidden chunk
@@ -194,7 +190,6 @@ if HAS_TLX:
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
                 cols = tl.arange(0, D)
-                hcols = tl.arange(0, CHUNK)
                 normed_buf = normed_bufs[cid]
                 hidden_buf = hidden_bufs[cid]
                 pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
@@ -204,26 +199,9 @@ if HAS_TLX:
                     rows = row0 + tl.arange(0, BLOCK)
                     row_ok = rows < T
                     rows64 = rows.to(tl.int64)
-                    # LayerNorm in 64-column slices of x (two-pass statistics, then the normalized
-                    # slices into the LN(x) tile): a whole fp32 [64, 256] tile beside its pointers
-                    # would not fit a consumer's registers. The slices after the first come from L2.
-                    row_sum = tl.zeros((BLOCK,), dtype=tl.float32)
-                    for c in tl.static_range(D // CHUNK):
-                        row_sum += tl.sum(_load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK), 1)
-                    mean = row_sum / D
-                    row_sq = tl.zeros((BLOCK,), dtype=tl.float32)
-                    for c in tl.static_range(D // CHUNK):
-                        centered = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) - mean[:, None]
-                        row_sq += tl.sum(centered * centered, 1)
-                    rstd = 1.0 / tl.sqrt(row_sq / D + eps)
-                    for c in tl.static_range(D // CHUNK):
-                        centered = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) - mean[:, None]
-                        weight = tl.load(norm_weight_ptr + c * CHUNK + hcols).to(tl.float32)
-                        bias = tl.load(norm_bias_ptr + c * CHUNK + hcols).to(tl.float32)
-                        normed = centered * rstd[:, None] * weight[None, :] + bias[None, :]
-                        # The previous tile's wgmmas have finished reading this tile (each was waited).
-                        tlx.local_store(tlx.local_slice(normed_buf, [0, c * CHUNK], [BLOCK, CHUNK]), normed.to(dtype))
-                    tlx.fence_async_shared()
+                    # The previous tile's wgmmas have finished reading the LN(x) tile (each was waited).
+                    mean, rstd = _layer_norm_to_smem(x_ptr, norm_weight_ptr, norm_bias_ptr, rows64, row_ok, normed_buf,
+                                                     eps, dtype, D, CHUNK)
                     tl.store(mean_ptr + rows, mean, mask=row_ok)
                     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -244,15 +222,9 @@ if HAS_TLX:
                         tlx.barrier_arrive(empties[slot], 1)
 
                     # The second linear's output, rounded to the compute dtype before the residual as
-                    # nn.Linear's is, goes through the LN(x) tile (no wgmma reads it any more) so the
-                    # residual is added in 64-column slices, like the LayerNorm above.
+                    # nn.Linear's is, staged through the LN(x) tile (no wgmma reads it any more).
                     out = (acc + tl.load(b2_ptr + cols).to(tl.float32)[None, :]).to(dtype)
-                    tlx.local_store(normed_buf, out)
-                    for c in tl.static_range(D // CHUNK):
-                        out_slice = tlx.local_load(tlx.local_slice(normed_buf, [0, c * CHUNK], [BLOCK, CHUNK]))
-                        y = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) + out_slice.to(tl.float32)
-                        offs = rows64[:, None] * D + (c * CHUNK + hcols)[None, :]
-                        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+                    _residual_store(out, normed_buf, x_ptr, y_ptr, rows64, row_ok, D, CHUNK)
                 # SMEM must outlive the last store's read of it.
                 tlx.async_descriptor_store_wait(0)
 

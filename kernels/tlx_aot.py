@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import mlp_sublayer_tlx
+from . import attention_sublayer_tlx, mlp_sublayer_tlx
 from .block_attention_tlx import HAS_TLX, SM90_MAX_SMEM, config_smem_bytes, tlx_config
 
 if HAS_TLX:
@@ -20,6 +20,7 @@ if HAS_TLX:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from .attention_sublayer_tlx import _tlx_attention_sublayer_fwd
     from .mlp_sublayer_tlx import _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
     from .block_attention_tlx import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
@@ -119,6 +120,64 @@ def _mlp_source(cfg: MlpAotConfig):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+@dataclass(frozen=True)
+class AttentionSublayerAotConfig:
+    """The attention sublayer's TLX "blocks" forward (kernels/attention_sublayer_tlx.py) at one shape."""
+
+    d_model: int
+    head_dim: int
+    rotary: bool
+    rotate_v: bool = False
+    x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
+    dtype: str = "bf16"
+
+    @property
+    def name(self) -> str:
+        rot = ("rotary_v" if self.rotate_v else "rotary") if self.rotary else "plain"
+        return f"attention_sublayer_fwd_d{self.d_model}_h{self.head_dim}_{rot}_x{self.x_dtype}_{self.dtype}"
+
+    @property
+    def knobs(self) -> dict:
+        return attention_sublayer_tlx.tlx_attention_sublayer_config(self.d_model, self.head_dim)
+
+
+def attention_sublayer_aot_configs() -> list[AttentionSublayerAotConfig]:
+    """Every supported shape with rotary on q, k in the model's dtypes; the rotary variants and the other
+    dtypes at the gpu config's shape (d_model 256, heads of 64)."""
+    configs = [AttentionSublayerAotConfig(d, h, True) for d, h in attention_sublayer_tlx.SUPPORTED_SHAPES]
+    configs += [AttentionSublayerAotConfig(256, 64, False), AttentionSublayerAotConfig(256, 64, True, True),
+                AttentionSublayerAotConfig(256, 64, True, False, "bf16", "bf16"),
+                AttentionSublayerAotConfig(256, 64, True, False, "fp16", "fp16")]
+    return configs
+
+
+def _attention_sublayer_source(cfg: AttentionSublayerAotConfig):
+    fn = _tlx_attention_sublayer_fwd
+    dt, x = cfg.dtype, cfg.x_dtype
+    constexprs = dict(D=cfg.d_model, HEADS=cfg.d_model // cfg.head_dim, HEAD_DIM=cfg.head_dim, ROTARY=cfg.rotary,
+                      ROTATE_V=cfg.rotate_v, **cfg.knobs)
+    box = f"tensordesc<{dt}[{cfg.head_dim}, {cfg.d_model}]>"
+    signature = dict(desc_w_qkv=box, desc_w_out_t=box, x_ptr=f"*{x}", norm_weight_ptr=f"*{x}", norm_bias_ptr=f"*{x}",
+                     b_qkv_ptr=f"*{dt}", b_out_ptr=f"*{dt}", block_start_ptr="*i32", block_len_ptr="*i32",
+                     num_blocks_ptr="*i64", y_ptr=f"*{x}", qkv_ptr=f"*{dt}", attn_ptr=f"*{dt}", mean_ptr="*fp32",
+                     rstd_ptr="*fp32", eps="fp32", qk_scale="fp32")
+    if cfg.rotary:
+        signature.update(cos_ptr="*fp32", sin_ptr="*fp32")
+    else:
+        # A None argument is a constexpr at launch time.
+        signature.update(cos_ptr="constexpr", sin_ptr="constexpr")
+        constexprs.update(cos_ptr=None, sin_ptr=None)
+    for name in constexprs:
+        signature.setdefault(name, "constexpr")
+    assert set(signature) == set(fn.arg_names), (
+        f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
+    signature = {name: signature[name] for name in fn.arg_names}
+    # Pointers from torch's allocator are 16-byte aligned.
+    divisible = [n for n in signature if n.endswith("_ptr") and signature[n] != "constexpr"]
+    attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
 def aot_configs(dtypes=("bf16", "fp16")) -> list:
     """Every production configuration, plus each tuning variant's kernels (bf16, the sweep's
     dtype, with and without rotary) that differ from a kernel already in the list."""
@@ -138,7 +197,7 @@ def aot_configs(dtypes=("bf16", "fp16")) -> list:
                     if key not in seen and variant != "default":
                         configs.append(cfg)
                     seen.add(key)
-    return configs + mlp_aot_configs()
+    return configs + mlp_aot_configs() + attention_sublayer_aot_configs()
 
 
 def _source(cfg: AotConfig):
@@ -183,12 +242,17 @@ def compile_config(cfg: AotConfig):
         raise RuntimeError("TLX is not installed (needs fbtriton==3.7.4)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile TLX kernels")
-    source = _mlp_source(cfg) if isinstance(cfg, MlpAotConfig) else _source(cfg)
+    source = {MlpAotConfig: _mlp_source, AttentionSublayerAotConfig: _attention_sublayer_source}.get(
+        type(cfg), _source)(cfg)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
 
 
 def tuning_of(cfg: AotConfig) -> dict:
     """The constexpr knobs a launch of this configuration uses, and their SMEM estimate."""
+    if isinstance(cfg, AttentionSublayerAotConfig):
+        tuning = cfg.knobs
+        return dict(tuning, smem_estimate=attention_sublayer_tlx.smem_bytes(
+            cfg.d_model, cfg.head_dim, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"]))
     if isinstance(cfg, MlpAotConfig):
         tuning = cfg.knobs
         return dict(tuning, smem_estimate=mlp_sublayer_tlx.smem_bytes(

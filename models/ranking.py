@@ -68,9 +68,10 @@ class RankingModelConfig:
             backend's kernels where it has them (triton, tlx, reference), else on the fastest that
             runs here; False is the unfused reference path.
         attention_sublayer_plan: how the fused attention sublayer runs (kernels/attention_sublayer_kernels.py):
-            "gemms", GEMMs around the block-attention kernel; "blocks", each pass as one Triton kernel per
-            64-token block, which the triton backend alone has (so attn_backend="triton"); 2.2x slower
-            than "gemms" on the H200 (benchmarks/results/attention_sublayer_h200.md).
+            "gemms", GEMMs around the block-attention kernel; "blocks", each pass as one kernel per
+            64-token block, which the triton backend (both passes Triton's; 2.2x slower than "gemms" on
+            the H200, benchmarks/results/attention_sublayer_h200.md) and the tlx backend (a TLX forward,
+            not yet run on a GPU, and Triton's backward) have.
         fused_mlp: the same for each layer's LayerNorm + MLP + residual (kernels.mlp_sublayer).
         compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
             head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
@@ -129,9 +130,9 @@ class RankingModelConfig:
         for name in ("num_layers", "mlp_ratio", "embedding_dim", "n_dense_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.fused_attention and self.attention_sublayer_plan == "blocks" and self.attn_backend != "triton":
-            raise ValueError(f"attention_sublayer_plan='blocks' runs the triton backend's per-block kernels: set "
-                             f"attn_backend='triton' (got {self.attn_backend!r})")
+        if self.fused_attention and self.attention_sublayer_plan == "blocks" and self.attn_backend not in ("triton", "tlx"):
+            raise ValueError(f"attention_sublayer_plan='blocks' runs the triton or tlx backend's per-block kernels: set "
+                             f"attn_backend to 'triton' or 'tlx' (got {self.attn_backend!r})")
         if self.pad_tokens_to < 0:
             raise ValueError(f"pad_tokens_to={self.pad_tokens_to} must be >= 0 (0: no padding)")
 

@@ -229,10 +229,17 @@ def test_plans_get_clear_errors():
     with pytest.raises(ValueError, match="unknown attention_sublayer 'blocks' fwd launch settings \\['maxnreg'\\]"):
         attention_sublayer(leaves[0], offsets, *leaves[1:], num_heads=2, backend="triton",
                            launch={"fwd": {"plan": "blocks", "maxnreg": 128}})
-    # The tlx backend has no GPU here; its plan check is the launcher's.
-    with pytest.raises(ValueError, match="the tlx attention_sublayer backend has no 'blocks' plan"):
-        _plan("tlx", '{"bwd": {"plan": "blocks"}}', "bwd")
-    assert _plan("tlx", '{"bwd": {"plan": "blocks"}}', "fwd") == "gemms"
+    assert _plan('{"bwd": {"plan": "blocks"}}', "fwd") == "gemms"
+    # The tlx backend has no GPU here: its 'blocks' forward's checks, host-side, directly.
+    from kernels.attention_sublayer_tlx import tlx_attention_sublayer_config, tlx_blocks_unsupported_reason
+
+    assert tlx_blocks_unsupported_reason(256, 64, torch.bfloat16) is None
+    assert "do not fit in shared memory" in tlx_blocks_unsupported_reason(256, 128, torch.bfloat16)
+    assert "float16 or bfloat16" in tlx_blocks_unsupported_reason(256, 64, torch.float32)
+    with pytest.raises(ValueError, match="unknown attention_sublayer tlx 'blocks' fwd launch settings \\['num_warps'\\]"):
+        tlx_attention_sublayer_config(256, 64, (("num_warps", 4),))
+    with pytest.raises(ValueError, match="needs .* B of shared memory"):
+        tlx_attention_sublayer_config(256, 64, (("NUM_CONSUMERS", 2), ("NUM_STAGES", 3)))
 
 
 def _op_args(tokens=70, seed=4):

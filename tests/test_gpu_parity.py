@@ -183,13 +183,21 @@ def test_attention_sublayer_parity(backend, num_heads, head_dim, dtypes, rotary)
 
 @pytest.mark.parametrize("rotary", ROTARY)
 @pytest.mark.parametrize("dtypes", MLP_DTYPES)
-@pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (2, 128)))
-def test_attention_sublayer_parity_triton_blocks_plan(num_heads, head_dim, dtypes, rotary):
-    """The Triton backend's per-block kernels (kernels/attention_sublayer_blocks.py), both passes, as above."""
+@pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (2, 128), (2, 64), (1, 64)))
+@pytest.mark.parametrize("backend", ("triton", "tlx"))
+def test_attention_sublayer_parity_blocks_plan(backend, num_heads, head_dim, dtypes, rotary):
+    """The per-block kernels, both passes, as above: the triton backend's (kernels/attention_sublayer_blocks.py),
+    and the tlx backend's TLX forward (kernels/attention_sublayer_tlx.py) with Triton's backward; also d_model
+    64 and 128, where the TLX forward runs two consumers."""
+    from kernels.attention_sublayer_tlx import tlx_blocks_unsupported_reason
+
     x_dtype, compute_dtype = MLP_DTYPES[dtypes]
-    if "triton" not in available_backends("cuda"):
-        pytest.skip("triton is not available on this machine")
-    result = attention_sublayer_parity("triton", lengths=RAGGED, num_heads=num_heads, head_dim=head_dim,
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available on this machine")
+    reason = tlx_blocks_unsupported_reason(num_heads * head_dim, head_dim, compute_dtype) if backend == "tlx" else None
+    if reason is not None:
+        pytest.skip(f"the tlx 'blocks' forward does not take {reason}")
+    result = attention_sublayer_parity(backend, lengths=RAGGED, num_heads=num_heads, head_dim=head_dim,
                                        x_dtype=x_dtype, compute_dtype=compute_dtype, rotary=ROTARY[rotary],
                                        device="cuda", launch={"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}})
     print(result.summary())

@@ -297,14 +297,15 @@ def test_fused_sublayer_switch_keeps_the_model(switch, backend):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_the_per_block_attention_plan_needs_the_triton_backend():
+def test_the_per_block_attention_plan_needs_the_triton_or_tlx_backend():
     layer = RankingModel(SCHEMA, dataclasses.replace(CONFIG, attn_backend="triton", fused_attention=True,
                                                      attention_sublayer_plan="blocks")).tower.layers[0]
     assert layer.attention_sublayer_launch == {"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}}
     assert RankingModel(SCHEMA, CONFIG).tower.layers[0].attention_sublayer_launch is None
-    with pytest.raises(ValueError, match="attention_sublayer_plan='blocks' runs the triton backend's per-block "
-                                         "kernels: set attn_backend='triton' \\(got 'tlx'\\)"):
-        RankingModelConfig(attn_backend="tlx", fused_attention=True, attention_sublayer_plan="blocks")
+    RankingModelConfig(attn_backend="tlx", fused_attention=True, attention_sublayer_plan="blocks")
+    with pytest.raises(ValueError, match="attention_sublayer_plan='blocks' runs the triton or tlx backend's per-block "
+                                         "kernels: set attn_backend to 'triton' or 'tlx' \\(got 'fa2'\\)"):
+        RankingModelConfig(attn_backend="fa2", fused_attention=True, attention_sublayer_plan="blocks")
 
 
 @pytest.mark.parametrize("attribute", FUSED_SWITCHES.values())

@@ -1,0 +1,305 @@
+"""The tlx backend's "blocks" forward of the attention sublayer: one warp-specialized Hopper (sm_90)
+kernel, a 64-token block's whole sublayer per consumer warpgroup; see attention_sublayer_kernels.py.
+
+    y = x + Wo · blockattn(rotary(split(Wqkv · LN(x) + bqkv))) + bo
+
+The Triton "blocks" kernel (attention_sublayer_blocks.py) does the same work with each program going
+through its block's stages in series while the weights come from L2 on its critical path. Here a
+producer warpgroup streams the weights by TMA through a ring of shared-memory slots ahead of the
+consumers, and with two consumers one's softmax and stores run while the other's wgmmas do.
+
+Work per block, in the order of the ring (each weight box is [HEAD_DIM, D], one slot):
+- LayerNorm of the block's rows into the consumer's LN(x) tile (the A operand of every projection);
+- per head: q, k and v, each LN(x) · (its [HEAD_DIM, D] rows of Wqkv)ᵀ + bias, rounded to the
+  compute dtype as the projection's output is, stored to qkv [T, 3D] for the backward; rotated in
+  fp32 and rounded once (as block attention does); the 64x64 scores, an exact softmax (one key tile:
+  no running max), P · V, divided by the row sums, rounded, stored to attn [T, D] for the backward
+  and kept in the consumer's tile of that head;
+- the output projection, Σ_head attn_head · (Wo's head columns)ᵀ, from the head tiles and the
+  row boxes of Woᵀ (transposed on the host, [D, D]: its head rows are the wgmma B operand as they
+  are), into a [64, D] fp32 accumulator live only in this last phase, so the head loop keeps few
+  registers; rounded before the residual, as nn.Linear's output is.
+
+Invariants: blocks from kernels.blocks.block_table (contiguous rows of one sequence; only the table's
+first num_blocks rows are real); rows >= a block's length load as zeros, are never stored and add
+nothing (their keys are masked out of the softmax). Stores are masked tl.stores, never TMA: a partial
+block's box would run into the next block's rows. x has contiguous rows of D elements (the launcher
+copies otherwise); D is 64, 128 or 256, HEAD_DIM 64 or 128, with what fits in shared memory
+(SUPPORTED_SHAPES); weights contiguous in the compute dtype (bf16/fp16); LayerNorm, softmax and
+rotary in fp32. Saves what the "gemms" plan's forward saves (y, qkv, attn, mean, rstd), so either
+plan's backward runs after it.
+"""
+
+import functools
+import math
+
+import torch
+
+from .attention_sublayer_blocks import without_plan
+from .backend import launch_overrides
+from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
+from .blocks import BLOCK_SIZE
+from .sublayer_tlx import HAS_TLX
+
+if HAS_TLX:
+    import triton
+    import triton.language as tl
+    import triton.language.extra.tlx as tlx
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .block_attention_triton import _rotate_item
+    from .sublayer_tlx import _layer_norm_to_smem, _residual_store
+
+SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
+MAX_STAGES = 6
+KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
+# Per consumer, what the compiler adds beyond our buffers (layout conversions of the masked stores and
+# the LayerNorm reductions), at most what fbtriton 3.7's sm_90 builds allocate (tests/test_tlx_aot.py
+# holds this model to them).
+_SCRATCH_PER_CONSUMER = 8192
+
+
+def smem_bytes(d_model: int, head_dim: int, NUM_STAGES: int, NUM_CONSUMERS: int, elem_size: int = 2) -> int:
+    """Shared memory of one program: the ring (one [head_dim, d_model] weight box per slot) and per
+    consumer its LN(x) tile (later the output projection's staging tile), the head's q, k and v
+    tiles, one attention-output tile per head, and compiler scratch."""
+    box = head_dim * d_model
+    per_consumer = BLOCK_SIZE * d_model + 3 * BLOCK_SIZE * head_dim + BLOCK_SIZE * d_model
+    return (NUM_STAGES * box + NUM_CONSUMERS * per_consumer) * elem_size + NUM_CONSUMERS * _SCRATCH_PER_CONSUMER
+
+
+def _fits(d_model: int, head_dim: int, stages: int, consumers: int) -> bool:
+    return smem_bytes(d_model, head_dim, stages, consumers) + SMEM_SLACK <= SM90_MAX_SMEM
+
+
+# (d_model, head_dim) pairs whose one-consumer program with a two-slot ring fits in shared memory.
+SUPPORTED_SHAPES = tuple((d, h) for d in (64, 128, 256) for h in (64, 128) if h <= d and _fits(d, h, 2, 1))
+
+
+def tlx_attention_sublayer_config(d_model: int, head_dim: int, knob_items: tuple = ()) -> dict:
+    """Constexpr knobs: two consumers where a ring of at least two slots fits beside them, else one;
+    the deepest ring up to MAX_STAGES. `knob_items` (KNOBS) override them."""
+    return dict(_cached_config(d_model, head_dim, knob_items))  # a copy: callers may change it
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_config(d_model: int, head_dim: int, knob_items: tuple) -> dict:
+    knobs = dict(knob_items)
+    unknown = set(knobs) - set(KNOBS)
+    if unknown:
+        raise ValueError(f"unknown attention_sublayer tlx 'blocks' fwd launch settings {sorted(unknown)}; "
+                         f"choose from {list(KNOBS)}")
+
+    def deepest(consumers: int) -> int:
+        if knobs.get("NUM_STAGES") is not None:
+            return knobs["NUM_STAGES"]
+        stages = 0
+        while stages < MAX_STAGES and _fits(d_model, head_dim, stages + 1, consumers):
+            stages += 1
+        return stages
+
+    choices = [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]
+    consumers = next((c for c in choices if deepest(c) >= 2), choices[-1])
+    stages = deepest(consumers)
+    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
+    if consumers not in (1, 2) or stages < 1 or not _fits(d_model, head_dim, stages, consumers):
+        raise ValueError(f"the tlx attention_sublayer 'blocks' forward at d_model {d_model}, head_dim {head_dim} with "
+                         f"{cfg} needs {smem_bytes(d_model, head_dim, stages, consumers)} B of shared memory (sm_90 "
+                         f"allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
+    # setmaxnreg budget: 64K registers per SM over the producer and consumer warpgroups.
+    cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
+    return cfg
+
+
+if HAS_TLX:
+
+    @triton.jit
+    def _block_rounds(num_blocks_ptr, NUM_CONSUMERS: tl.constexpr):
+        """(program, programs, rounds, blocks): a round takes NUM_CONSUMERS blocks. Every partition
+        computes the same count from the same device scalar, so producer and consumers agree on the
+        boxes and the barrier phases stay paired."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        num_blocks = tl.load(num_blocks_ptr).to(tl.int32)
+        num_groups = tl.cdiv(num_blocks, NUM_CONSUMERS)
+        return pid, nprog, tl.maximum(tl.cdiv(num_groups - pid, nprog), 0), num_blocks
+
+    @triton.jit
+    def _next_box(w_bufs, fulls, k, NUM_STAGES: tl.constexpr):
+        """A consumer's box k: its ring slot, once the producer has filled it."""
+        slot = k % NUM_STAGES
+        tlx.barrier_wait(fulls[slot], (k // NUM_STAGES) & 1)
+        return w_bufs[slot], slot
+
+    @triton.jit
+    def _head_projection(normed_buf, w_bufs, fulls, empties, k, b_qkv_ptr, first_row, dtype: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """LN(x) · W[first_row : first_row + HEAD_DIM]ᵀ + b[...] from ring box k, rounded to the compute
+        dtype as the projection's output is; the slot goes back to the producer once read."""
+        w_buf, slot = _next_box(w_bufs, fulls, k, NUM_STAGES)
+        acc = tlx.async_dot(normed_buf, tlx.local_trans(w_buf))
+        acc = tlx.async_dot_wait(0, acc)
+        tlx.barrier_arrive(empties[slot], 1)
+        bias = tl.load(b_qkv_ptr + first_row + tl.arange(0, HEAD_DIM)).to(tl.float32)
+        return (acc + bias[None, :]).to(dtype)
+
+    @triton.jit
+    def _store_rows(ptr, tile, rows64, row_ok, row_width, first_col, HEAD_DIM: tl.constexpr):
+        offs = rows64[:, None] * row_width + (first_col + tl.arange(0, HEAD_DIM))[None, :]
+        tl.store(ptr + offs, tile, mask=row_ok[:, None])
+
+    @triton.jit
+    def _tlx_attention_sublayer_fwd(
+        desc_w_qkv, desc_w_out_t, x_ptr, norm_weight_ptr, norm_bias_ptr, b_qkv_ptr, b_out_ptr, cos_ptr, sin_ptr,
+        block_start_ptr, block_len_ptr, num_blocks_ptr, y_ptr, qkv_ptr, attn_ptr, mean_ptr, rstd_ptr,
+        eps, qk_scale,
+        D: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
+        NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+    ):
+        BLOCK: tl.constexpr = 64
+        CHUNK: tl.constexpr = 64
+        dtype: tl.constexpr = tlx.dtype_of(desc_w_qkv)
+        BOX_BYTES: tl.constexpr = HEAD_DIM * D * tlx.size_of(dtype)
+        BOXES: tl.constexpr = 4 * HEADS  # per block: q, k, v rows of each head, then Woᵀ's head rows
+
+        w_bufs = tlx.local_alloc((HEAD_DIM, D), dtype, NUM_STAGES)
+        normed_bufs = tlx.local_alloc((BLOCK, D), dtype, NUM_CONSUMERS)
+        qkv_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, 3 * NUM_CONSUMERS)
+        attn_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, HEADS * NUM_CONSUMERS)
+        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
+
+        with tlx.async_tasks():
+            with tlx.async_task("default"):
+                pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
+                for k in range(0, n_rounds * BOXES):
+                    box = k % BOXES
+                    slot = k % NUM_STAGES
+                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
+                    tlx.barrier_wait(empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
+                    tlx.barrier_expect_bytes(fulls[slot], BOX_BYTES)
+                    if box < 3 * HEADS:
+                        head = box // 3
+                        part = box - 3 * head  # q, k, v: Wqkv's rows part * D + head * HEAD_DIM ...
+                        tlx.async_descriptor_load(desc_w_qkv, w_bufs[slot], [part * D + head * HEAD_DIM, 0],
+                                                  fulls[slot])
+                    else:
+                        tlx.async_descriptor_load(desc_w_out_t, w_bufs[slot], [(box - 3 * HEADS) * HEAD_DIM, 0],
+                                                  fulls[slot])
+
+            with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
+                cid: tl.constexpr = tlx.async_task_replica_id()
+                idx = tl.arange(0, BLOCK)
+                normed_buf = normed_bufs[cid]
+                q_buf = qkv_bufs[3 * cid]
+                k_buf = qkv_bufs[3 * cid + 1]
+                v_buf = qkv_bufs[3 * cid + 2]
+                pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
+                for r in range(0, n_rounds):
+                    blk = (pid + r * nprog) * NUM_CONSUMERS + cid
+                    # A block past the last (the second consumer's, when the blocks are odd) has no rows:
+                    # every load masked and nothing stored, but its boxes are walked so the phases stay paired.
+                    real = blk < num_blocks
+                    start = tl.load(block_start_ptr + blk, mask=real, other=0)
+                    length = tl.load(block_len_ptr + blk, mask=real, other=0)
+                    row_ok = idx < length
+                    rows64 = (start + idx).to(tl.int64)
+                    # The previous block's wgmmas were all waited: the LN(x) tile is free.
+                    mean, rstd = _layer_norm_to_smem(x_ptr, norm_weight_ptr, norm_bias_ptr, rows64, row_ok,
+                                                     normed_buf, eps, dtype, D, CHUNK)
+                    tl.store(mean_ptr + rows64, mean, mask=row_ok)
+                    tl.store(rstd_ptr + rows64, rstd, mask=row_ok)
+
+                    k0 = r * BOXES
+                    for head in tl.static_range(HEADS):
+                        col = head * HEAD_DIM
+                        q = _head_projection(normed_buf, w_bufs, fulls, empties, k0 + 3 * head, b_qkv_ptr, col,
+                                             dtype, HEAD_DIM, NUM_STAGES)
+                        _store_rows(qkv_ptr, q, rows64, row_ok, 3 * D, col, HEAD_DIM)
+                        k = _head_projection(normed_buf, w_bufs, fulls, empties, k0 + 3 * head + 1, b_qkv_ptr,
+                                             D + col, dtype, HEAD_DIM, NUM_STAGES)
+                        _store_rows(qkv_ptr, k, rows64, row_ok, 3 * D, D + col, HEAD_DIM)
+                        v = _head_projection(normed_buf, w_bufs, fulls, empties, k0 + 3 * head + 2, b_qkv_ptr,
+                                             2 * D + col, dtype, HEAD_DIM, NUM_STAGES)
+                        _store_rows(qkv_ptr, v, rows64, row_ok, 3 * D, 2 * D + col, HEAD_DIM)
+                        if ROTARY:
+                            q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK,
+                                                             HEAD_DIM, ROTATE_V)
+                        # The previous head's wgmmas have finished reading these tiles (each was waited).
+                        tlx.local_store(q_buf, q)
+                        tlx.local_store(k_buf, k)
+                        tlx.local_store(v_buf, v)
+                        tlx.fence_async_shared()
+                        scores = tlx.async_dot(q_buf, tlx.local_trans(k_buf))
+                        scores = tlx.async_dot_wait(0, scores)
+                        scores = tl.where((idx < length)[None, :], scores * qk_scale, float("-inf"))
+                        # One key tile: an exact softmax, no running max. A real block has length >= 1,
+                        # so every row's max is finite.
+                        m = tl.max(scores, 1)
+                        p = tl.math.exp2(scores - m[:, None])
+                        row_sum = tl.sum(p, 1)
+                        out = tlx.async_dot(p.to(dtype), v_buf)
+                        out = tlx.async_dot_wait(0, out)
+                        out = (out * (1.0 / row_sum)[:, None]).to(dtype)  # 64 reciprocals, as block attention
+                        _store_rows(attn_ptr, out, rows64, row_ok, D, col, HEAD_DIM)
+                        tlx.local_store(attn_bufs[cid * HEADS + head], out)
+                    tlx.fence_async_shared()
+
+                    # The accumulator starts at the output bias: no [D] bias vector live beside the
+                    # finished [64, D] accumulator.
+                    b_out = tl.load(b_out_ptr + tl.arange(0, D)).to(tl.float32)
+                    acc = tl.zeros((BLOCK, D), dtype=tl.float32) + b_out[None, :]
+                    for head in tl.static_range(HEADS):
+                        w_buf, slot = _next_box(w_bufs, fulls, k0 + 3 * HEADS + head, NUM_STAGES)
+                        acc = tlx.async_dot(attn_bufs[cid * HEADS + head], w_buf, acc)
+                        acc = tlx.async_dot_wait(0, acc)
+                        tlx.barrier_arrive(empties[slot], 1)
+                    # The output projection, rounded before the residual as nn.Linear's output is, staged
+                    # through the LN(x) tile (no wgmma reads it any more).
+                    _residual_store(acc.to(dtype), normed_buf, x_ptr, y_ptr, rows64, row_ok, D, CHUNK)
+
+
+def tlx_blocks_unsupported_reason(d_model: int, head_dim: int, compute_dtype: torch.dtype) -> str | None:
+    if (d_model, head_dim) not in SUPPORTED_SHAPES:
+        return (f"d_model {d_model} in heads of {head_dim} (the tlx 'blocks' forward takes (d_model, head_dim) in "
+                f"{SUPPORTED_SHAPES}: larger weight boxes and tiles do not fit in shared memory)")
+    if compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
+        return f"compute dtype {compute_dtype} (the tlx 'blocks' forward's matmuls take float16 or bfloat16)"
+    return None
+
+
+def forward_blocks_tlx(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out, block_start, block_len, num_blocks, cos,
+                       sin, num_heads, rotate_v, eps, launch):
+    """(y, qkv, attn, mean, rstd), as attention_sublayer_blocks.forward_blocks returns them."""
+    tokens, d_model = x.shape
+    head_dim = d_model // num_heads
+    reason = tlx_blocks_unsupported_reason(d_model, head_dim, w_qkv.dtype)
+    if reason is not None:
+        raise ValueError(f"attention_sublayer backend 'tlx' with plan 'blocks' cannot take {reason}; use the "
+                         f"default 'gemms' plan")
+    overrides = without_plan(launch_overrides(launch, "fwd"))
+    cfg = tlx_attention_sublayer_config(d_model, head_dim, tuple(sorted(overrides.items())))
+    x = x.contiguous()
+    y = torch.empty((tokens, d_model), dtype=x.dtype, device=x.device)
+    qkv = torch.empty((tokens, 3 * d_model), dtype=w_qkv.dtype, device=x.device)
+    attn = torch.empty((tokens, num_heads, head_dim), dtype=w_qkv.dtype, device=x.device)
+    mean = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    if tokens == 0 or block_start.numel() == 0:
+        return y, qkv, attn, mean, rstd
+    # Woᵀ's rows h * head_dim ... are head h's columns of Wo: boxes of one shape with Wqkv's, each the
+    # wgmma B operand as it lies.
+    w_out_t = w_out.t().contiguous()
+    box = [head_dim, d_model]
+    grid = max(1, min(_num_sms(x.device), triton.cdiv(block_start.numel(), cfg["NUM_CONSUMERS"])))
+    sm_scale = 1.0 / math.sqrt(head_dim)  # written as block attention's launcher writes it: the same bits
+    with torch.cuda.device(x.device):
+        _tlx_attention_sublayer_fwd[(grid,)](
+            TensorDescriptor(w_qkv, shape=list(w_qkv.shape), strides=[d_model, 1], block_shape=box),
+            TensorDescriptor(w_out_t, shape=list(w_out_t.shape), strides=[d_model, 1], block_shape=box),
+            x, norm_weight, norm_bias, b_qkv, b_out, cos, sin, block_start, block_len, num_blocks,
+            y, qkv, attn, mean, rstd, eps, sm_scale * math.log2(math.e),
+            D=d_model, HEADS=num_heads, HEAD_DIM=head_dim, ROTARY=cos is not None,
+            ROTATE_V=cos is not None and bool(rotate_v), num_warps=4, num_stages=1, **cfg,
+        )
+    return y, qkv, attn, mean, rstd

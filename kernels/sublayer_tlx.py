@@ -1,0 +1,63 @@
+"""TLX code both fused sublayers' Hopper kernels share (kernels/mlp_sublayer_tlx.py,
+kernels/attention_sublayer_tlx.py): a consumer warpgroup's LayerNorm of its 64 rows into a shared-memory
+A tile, and its residual epilogue.
+
+Both work in 64-column slices of x: a whole fp32 [64, 256] tile beside its int64 addresses would not
+fit a consumer's registers next to the [64, D] accumulator. x has contiguous rows of D elements; rows
+with row_ok false load as zeros and are never stored.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+    import triton.language.extra.tlx as tlx
+
+    HAS_TLX = True
+except ImportError:  # plain triton (no extra.tlx) or no triton at all: the kernels are unavailable
+    HAS_TLX = False
+
+if HAS_TLX:
+
+    @triton.jit
+    def _load_x_slice(x_ptr, rows64, row_ok, c, D: tl.constexpr, CHUNK: tl.constexpr):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        return tl.load(x_ptr + rows64[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _layer_norm_to_smem(x_ptr, norm_weight_ptr, norm_bias_ptr, rows64, row_ok, normed_buf, eps,
+                            dtype: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
+        """LN(x) of the 64 rows into normed_buf [64, D] (wgmma's A tile, of dtype), fenced for the
+        async proxy; returns the rows' mean and 1/std. Two-pass statistics, then the normalized slices;
+        the slices after the first pass come from L2. The caller makes sure no wgmma still reads
+        normed_buf."""
+        hcols = tl.arange(0, CHUNK)
+        row_sum = tl.zeros((64,), dtype=tl.float32)
+        for c in tl.static_range(D // CHUNK):
+            row_sum += tl.sum(_load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK), 1)
+        mean = row_sum / D
+        row_sq = tl.zeros((64,), dtype=tl.float32)
+        for c in tl.static_range(D // CHUNK):
+            centered = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) - mean[:, None]
+            row_sq += tl.sum(centered * centered, 1)
+        rstd = 1.0 / tl.sqrt(row_sq / D + eps)
+        for c in tl.static_range(D // CHUNK):
+            centered = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) - mean[:, None]
+            weight = tl.load(norm_weight_ptr + c * CHUNK + hcols).to(tl.float32)
+            bias = tl.load(norm_bias_ptr + c * CHUNK + hcols).to(tl.float32)
+            normed = centered * rstd[:, None] * weight[None, :] + bias[None, :]
+            tlx.local_store(tlx.local_slice(normed_buf, [0, c * CHUNK], [64, CHUNK]), normed.to(dtype))
+        tlx.fence_async_shared()
+        return mean, rstd
+
+    @triton.jit
+    def _residual_store(out, staging_buf, x_ptr, y_ptr, rows64, row_ok, D: tl.constexpr, CHUNK: tl.constexpr):
+        """y = x + out for the 64 rows, out [64, D] already rounded to the compute dtype (as nn.Linear's
+        output is). out goes through staging_buf [64, D], which no wgmma may still read, so that the
+        residual is added and stored in 64-column slices."""
+        hcols = tl.arange(0, CHUNK)
+        tlx.local_store(staging_buf, out)
+        for c in tl.static_range(D // CHUNK):
+            out_slice = tlx.local_load(tlx.local_slice(staging_buf, [0, c * CHUNK], [64, CHUNK]))
+            y = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) + out_slice.to(tl.float32)
+            offs = rows64[:, None] * D + (c * CHUNK + hcols)[None, :]
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
