@@ -16,8 +16,8 @@ kernel's (head_dim, dtype, device); the attention kernels need no residuals from
 
 That is the "gemms" plan, the default. The "blocks" plan runs each pass as one kernel per 64-token
 block instead: on the triton backend both passes are Triton kernels (kernels/attention_sublayer_blocks.py);
-on the tlx backend the forward is a warp-specialized TLX kernel (kernels/attention_sublayer_tlx.py) and
-the backward Triton's per-block kernel (there is no TLX one yet). A pass picks it with
+on the tlx backend both are warp-specialized TLX kernels (kernels/attention_sublayer_tlx.py), the
+backward's around the "gemms" plan's LayerNorm-backward kernel and weight-gradient GEMMs. A pass picks it with
 launch={"fwd" or "bwd": {"plan": "blocks"}}, and the two passes' plans mix (both save the same
 tensors). The default stays "gemms" until a GPU run shows "blocks" faster.
 """
@@ -28,7 +28,7 @@ import torch
 
 from .attention_sublayer_blocks import backward_blocks, blocks_launch, forward_blocks, without_plan
 from .attention_sublayer_dispatch import attention_sublayer_ops
-from .attention_sublayer_tlx import forward_blocks_tlx
+from .attention_sublayer_tlx import backward_core_tlx, forward_blocks_tlx
 from .backend import launch_json, launch_overrides
 from .dispatch import get_backend
 from .sublayer_dispatch import SublayerBackend
@@ -94,25 +94,30 @@ def _launchers(attention: str):
         compute_dtype = w_qkv.dtype
         x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
         norm_weight, norm_bias, w_qkv, w_out = (t.contiguous() for t in (norm_weight, norm_bias, w_qkv, w_out))
-        if _plan(launch, "bwd") == "blocks":
+        plan = _plan(launch, "bwd")
+        if plan == "blocks" and attention != "tlx":
             return backward_blocks(grad_y, x, norm_weight, norm_bias, w_qkv, w_out, qkv, attn, mean, rstd, block_start,
                                    block_len, num_blocks, cos, sin, num_heads, rotate_v, eps,
                                    blocks_launch(launch, "bwd"))
-        launch = _attention_launch(launch)
         # The output projection's output was rounded to the compute dtype; its gradient is taken in it too.
         grad_out = grad_y.to(compute_dtype).contiguous()
-        attn_rows = attn.view(tokens, d_model)
-        grad_attn = grad_out @ w_out
-        dw_out = grad_out.t() @ attn_rows
-        q, k, v = qkv.view(tokens, 3, num_heads, d_model // num_heads).unbind(1)
-        # The attention backward writes dq, dk, dv into one [T, 3D] gradient, as autograd's unbind
-        # gives the unfused path, so LN's output gradient is one GEMM over K = 3D rounded once (three
-        # products added would round three times), with no copy to stack them.
-        grad_qkv = torch.empty((tokens, 3 * d_model), dtype=compute_dtype, device=x.device)
-        attention_ops.backward_launcher(grad_attn.view(q.shape), q, k, v, block_start, block_len, num_blocks, cos,
-                                        sin, rotate_v, launch, attn,
-                                        into=grad_qkv.view(tokens, 3, *q.shape[1:]).unbind(1))
-        grad_normed = grad_qkv @ w_qkv
+        dw_out = grad_out.t() @ attn.view(tokens, d_model)
+        if plan == "blocks":
+            # The tlx backend's per-block kernel: dAttn, the attention's backward and dLN in one pass.
+            grad_qkv, grad_normed = backward_core_tlx(grad_out, qkv, w_qkv, w_out, block_start, block_len, num_blocks,
+                                                      cos, sin, num_heads, rotate_v, launch)
+        else:
+            launch = _attention_launch(launch)
+            grad_attn = grad_out @ w_out
+            q, k, v = qkv.view(tokens, 3, num_heads, d_model // num_heads).unbind(1)
+            # The attention backward writes dq, dk, dv into one [T, 3D] gradient, as autograd's unbind
+            # gives the unfused path, so LN's output gradient is one GEMM over K = 3D rounded once (three
+            # products added would round three times), with no copy to stack them.
+            grad_qkv = torch.empty((tokens, 3 * d_model), dtype=compute_dtype, device=x.device)
+            attention_ops.backward_launcher(grad_attn.view(q.shape), q, k, v, block_start, block_len, num_blocks, cos,
+                                            sin, rotate_v, launch, attn,
+                                            into=grad_qkv.view(tokens, 3, *q.shape[1:]).unbind(1))
+            grad_normed = grad_qkv @ w_qkv
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         normed = torch.empty((tokens, d_model), dtype=compute_dtype, device=x.device)
         column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed)

@@ -1,5 +1,5 @@
-"""The tlx backend's "blocks" forward of the attention sublayer: one warp-specialized Hopper (sm_90)
-kernel, a 64-token block's whole sublayer per consumer warpgroup; see attention_sublayer_kernels.py.
+"""The tlx backend's "blocks" plan of the attention sublayer: warp-specialized Hopper (sm_90) kernels,
+a 64-token block's whole sublayer per consumer warpgroup; see attention_sublayer_kernels.py.
 
     y = x + Wo · blockattn(rotary(split(Wqkv · LN(x) + bqkv))) + bo
 
@@ -28,6 +28,18 @@ copies otherwise); D is 64, 128 or 256, HEAD_DIM 64 or 128, with what fits in sh
 (SUPPORTED_SHAPES); weights contiguous in the compute dtype (bf16/fp16); LayerNorm, softmax and
 rotary in fp32. Saves what the "gemms" plan's forward saves (y, qkv, attn, mean, rstd), so either
 plan's backward runs after it.
+
+The backward kernel has the same ring, with per head a box of Woᵀ's rows and then the head's three
+boxes of Wqkv: dAttn = dY · Wo[:, head] (Woᵀ's box transposed in place), rounded as the unfused GEMM's
+output; q, k, v read back from qkv and rotated again; P recomputed exactly (one key tile), dP, dS,
+then dV = Pᵀ dAttn, dK = dSᵀ q, dQ = dS k, rotated back and stored as dQKV [T, 3D]; and dQKV's
+product with Wqkv, LayerNorm's output gradient, accumulated in fp32 over the heads. That accumulator
+is live through the heads, which spills at d_model 256 (`ptxas -v` on the AOT build: 1,212 bytes of
+spill stores a thread); the
+alternative, reading every head's dQ, dK, dV back after the heads, needs 96 KiB more shared memory or a
+barrier between the consumer's own global stores and loads. LayerNorm's backward, dWqkv, dWo and the
+bias sums stay the "gemms" plan's kernels (attention_sublayer_kernels.py), which take dQKV and that
+fp32 gradient from here.
 """
 
 import functools
@@ -35,7 +47,7 @@ import math
 
 import torch
 
-from .attention_sublayer_blocks import without_plan
+from .attention_sublayer_blocks import _softmax_scale, without_plan
 from .backend import launch_overrides
 from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
 from .blocks import BLOCK_SIZE
@@ -47,54 +59,63 @@ if HAS_TLX:
     import triton.language.extra.tlx as tlx
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .block_attention_triton import _rotate_item
-    from .sublayer_tlx import _layer_norm_to_smem, _residual_store
+    from .block_attention_triton import _rotate_item, rotate_pairs
+    from .sublayer_tlx import _layer_norm_to_smem, _residual_store, _store_accumulator
 
 SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
 MAX_STAGES = 6
 KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # Per consumer, what the compiler adds beyond our buffers (layout conversions of the masked stores and
-# the LayerNorm reductions), at most what fbtriton 3.7's sm_90 builds allocate (tests/test_tlx_aot.py
-# holds this model to them).
+# reductions; the backward's transposes and accumulator stores take more), at most what fbtriton 3.7's
+# sm_90 builds allocate (tests/test_tlx_aot.py holds this model to them).
 _SCRATCH_PER_CONSUMER = 8192
+_BWD_SCRATCH_PER_CONSUMER = 16516
 
 
-def smem_bytes(d_model: int, head_dim: int, NUM_STAGES: int, NUM_CONSUMERS: int, elem_size: int = 2) -> int:
+def smem_bytes(d_model: int, head_dim: int, NUM_STAGES: int, NUM_CONSUMERS: int, backward: bool = False,
+               elem_size: int = 2) -> int:
     """Shared memory of one program: the ring (one [head_dim, d_model] weight box per slot) and per
-    consumer its LN(x) tile (later the output projection's staging tile), the head's q, k and v
-    tiles, one attention-output tile per head, and compiler scratch."""
+    consumer its tiles and compiler scratch. Forward: the LN(x) tile (later the output projection's
+    staging tile), the head's q, k and v, one attention-output tile per head. Backward: the dY tile,
+    the head's q, k, v (later dQ, dK, dV) and dAttn tiles, and Pᵀ and dSᵀ."""
     box = head_dim * d_model
-    per_consumer = BLOCK_SIZE * d_model + 3 * BLOCK_SIZE * head_dim + BLOCK_SIZE * d_model
-    return (NUM_STAGES * box + NUM_CONSUMERS * per_consumer) * elem_size + NUM_CONSUMERS * _SCRATCH_PER_CONSUMER
+    if backward:
+        per_consumer = BLOCK_SIZE * d_model + 4 * BLOCK_SIZE * head_dim + 2 * BLOCK_SIZE * BLOCK_SIZE
+    else:
+        per_consumer = BLOCK_SIZE * d_model + 3 * BLOCK_SIZE * head_dim + BLOCK_SIZE * d_model
+    scratch = _BWD_SCRATCH_PER_CONSUMER if backward else _SCRATCH_PER_CONSUMER
+    return (NUM_STAGES * box + NUM_CONSUMERS * per_consumer) * elem_size + NUM_CONSUMERS * scratch
 
 
-def _fits(d_model: int, head_dim: int, stages: int, consumers: int) -> bool:
-    return smem_bytes(d_model, head_dim, stages, consumers) + SMEM_SLACK <= SM90_MAX_SMEM
+def _fits(d_model: int, head_dim: int, stages: int, consumers: int, backward: bool) -> bool:
+    return smem_bytes(d_model, head_dim, stages, consumers, backward) + SMEM_SLACK <= SM90_MAX_SMEM
 
 
-# (d_model, head_dim) pairs whose one-consumer program with a two-slot ring fits in shared memory.
-SUPPORTED_SHAPES = tuple((d, h) for d in (64, 128, 256) for h in (64, 128) if h <= d and _fits(d, h, 2, 1))
+# (d_model, head_dim) pairs whose one-consumer programs with two-slot rings fit in shared memory, both ways.
+SUPPORTED_SHAPES = tuple((d, h) for d in (64, 128, 256) for h in (64, 128)
+                         if h <= d and _fits(d, h, 2, 1, False) and _fits(d, h, 2, 1, True))
 
 
-def tlx_attention_sublayer_config(d_model: int, head_dim: int, knob_items: tuple = ()) -> dict:
-    """Constexpr knobs: two consumers where a ring of at least two slots fits beside them, else one;
-    the deepest ring up to MAX_STAGES. `knob_items` (KNOBS) override them."""
-    return dict(_cached_config(d_model, head_dim, knob_items))  # a copy: callers may change it
+def tlx_attention_sublayer_config(d_model: int, head_dim: int, knob_items: tuple = (), backward: bool = False) -> dict:
+    """Constexpr knobs of one direction: two consumers where a ring of at least two slots fits beside
+    them, else one; the deepest ring up to MAX_STAGES. `knob_items` (KNOBS) override them."""
+    return dict(_cached_config(d_model, head_dim, knob_items, backward))  # a copy: callers may change it
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_config(d_model: int, head_dim: int, knob_items: tuple) -> dict:
+def _cached_config(d_model: int, head_dim: int, knob_items: tuple, backward: bool) -> dict:
+    direction = "bwd" if backward else "fwd"
     knobs = dict(knob_items)
     unknown = set(knobs) - set(KNOBS)
     if unknown:
-        raise ValueError(f"unknown attention_sublayer tlx 'blocks' fwd launch settings {sorted(unknown)}; "
+        raise ValueError(f"unknown attention_sublayer tlx 'blocks' {direction} launch settings {sorted(unknown)}; "
                          f"choose from {list(KNOBS)}")
 
     def deepest(consumers: int) -> int:
         if knobs.get("NUM_STAGES") is not None:
             return knobs["NUM_STAGES"]
         stages = 0
-        while stages < MAX_STAGES and _fits(d_model, head_dim, stages + 1, consumers):
+        while stages < MAX_STAGES and _fits(d_model, head_dim, stages + 1, consumers, backward):
             stages += 1
         return stages
 
@@ -102,10 +123,10 @@ def _cached_config(d_model: int, head_dim: int, knob_items: tuple) -> dict:
     consumers = next((c for c in choices if deepest(c) >= 2), choices[-1])
     stages = deepest(consumers)
     cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
-    if consumers not in (1, 2) or stages < 1 or not _fits(d_model, head_dim, stages, consumers):
-        raise ValueError(f"the tlx attention_sublayer 'blocks' forward at d_model {d_model}, head_dim {head_dim} with "
-                         f"{cfg} needs {smem_bytes(d_model, head_dim, stages, consumers)} B of shared memory (sm_90 "
-                         f"allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
+    if consumers not in (1, 2) or stages < 1 or not _fits(d_model, head_dim, stages, consumers, backward):
+        raise ValueError(f"the tlx attention_sublayer 'blocks' {direction} at d_model {d_model}, head_dim {head_dim} "
+                         f"with {cfg} needs {smem_bytes(d_model, head_dim, stages, consumers, backward)} B of shared "
+                         f"memory (sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
     # setmaxnreg budget: 64K registers per SM over the producer and consumer warpgroups.
     cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
     return cfg
@@ -123,6 +144,18 @@ if HAS_TLX:
         num_blocks = tl.load(num_blocks_ptr).to(tl.int32)
         num_groups = tl.cdiv(num_blocks, NUM_CONSUMERS)
         return pid, nprog, tl.maximum(tl.cdiv(num_groups - pid, nprog), 0), num_blocks
+
+    @triton.jit
+    def _round_block(r, pid, nprog, cid, num_blocks, block_start_ptr, block_len_ptr, NUM_CONSUMERS: tl.constexpr):
+        """A consumer's block of round r: its first token, length, row mask and int64 rows. A block past
+        the last (the second consumer's, when the blocks are odd) has no rows: every load masked and
+        nothing stored, while its consumer still walks its boxes so the phases stay paired."""
+        blk = (pid + r * nprog) * NUM_CONSUMERS + cid
+        real = blk < num_blocks
+        start = tl.load(block_start_ptr + blk, mask=real, other=0)
+        length = tl.load(block_len_ptr + blk, mask=real, other=0)
+        idx = tl.arange(0, 64)
+        return start, length, idx < length, (start + idx).to(tl.int64)
 
     @triton.jit
     def _next_box(w_bufs, fulls, k, NUM_STAGES: tl.constexpr):
@@ -196,14 +229,8 @@ if HAS_TLX:
                 v_buf = qkv_bufs[3 * cid + 2]
                 pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
                 for r in range(0, n_rounds):
-                    blk = (pid + r * nprog) * NUM_CONSUMERS + cid
-                    # A block past the last (the second consumer's, when the blocks are odd) has no rows:
-                    # every load masked and nothing stored, but its boxes are walked so the phases stay paired.
-                    real = blk < num_blocks
-                    start = tl.load(block_start_ptr + blk, mask=real, other=0)
-                    length = tl.load(block_len_ptr + blk, mask=real, other=0)
-                    row_ok = idx < length
-                    rows64 = (start + idx).to(tl.int64)
+                    start, length, row_ok, rows64 = _round_block(r, pid, nprog, cid, num_blocks, block_start_ptr,
+                                                                 block_len_ptr, NUM_CONSUMERS)
                     # The previous block's wgmmas were all waited: the LN(x) tile is free.
                     mean, rstd = _layer_norm_to_smem(x_ptr, norm_weight_ptr, norm_bias_ptr, rows64, row_ok,
                                                      normed_buf, eps, dtype, D, CHUNK)
@@ -258,6 +285,134 @@ if HAS_TLX:
                     # through the LN(x) tile (no wgmma reads it any more).
                     _residual_store(acc.to(dtype), normed_buf, x_ptr, y_ptr, rows64, row_ok, D, CHUNK)
 
+    @triton.jit
+    def _tlx_attention_sublayer_bwd(
+        desc_w_qkv, desc_w_out_t, grad_out_ptr, qkv_ptr, cos_ptr, sin_ptr,
+        block_start_ptr, block_len_ptr, num_blocks_ptr, grad_qkv_ptr, grad_normed_ptr,
+        sm_scale, qk_scale,
+        D: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, ROTATE_V: tl.constexpr,
+        NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+    ):
+        """Every block's dQKV [T, 3D] (rotary's inverse applied) and dLN = dQKV · Wqkv [T, D] in fp32, from
+        dY in the compute dtype (grad_out [T, D]) and the saved q, k, v: per head, dAttn = dY · Wo[:, head]
+        (rounded as the unfused GEMM's output), the attention's backward, and dQ, dK, dV's products with
+        the head's rows of Wqkv added into dLN's accumulator. Rows >= a block's length have zero dY, so
+        they add nothing to dV, dK or dLN."""
+        BLOCK: tl.constexpr = 64
+        dtype: tl.constexpr = tlx.dtype_of(desc_w_qkv)
+        BOX_BYTES: tl.constexpr = HEAD_DIM * D * tlx.size_of(dtype)
+        BOXES: tl.constexpr = 4 * HEADS  # per head: Woᵀ's head rows, then the head's q, k, v rows of Wqkv
+
+        w_bufs = tlx.local_alloc((HEAD_DIM, D), dtype, NUM_STAGES)
+        grad_out_bufs = tlx.local_alloc((BLOCK, D), dtype, NUM_CONSUMERS)
+        # Per consumer: q, k, v (dQ, dK, dV once the attention's products have read them) and dAttn.
+        head_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, 4 * NUM_CONSUMERS)
+        # wgmma's A operand is read row-major from SMEM, so Pᵀ and dSᵀ are written transposed.
+        t_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, 2 * NUM_CONSUMERS)
+        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
+
+        with tlx.async_tasks():
+            with tlx.async_task("default"):
+                pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
+                for k in range(0, n_rounds * BOXES):
+                    box = k % BOXES
+                    head = box // 4
+                    part = box - 4 * head
+                    slot = k % NUM_STAGES
+                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
+                    tlx.barrier_wait(empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
+                    tlx.barrier_expect_bytes(fulls[slot], BOX_BYTES)
+                    if part == 0:
+                        tlx.async_descriptor_load(desc_w_out_t, w_bufs[slot], [head * HEAD_DIM, 0], fulls[slot])
+                    else:
+                        tlx.async_descriptor_load(desc_w_qkv, w_bufs[slot], [(part - 1) * D + head * HEAD_DIM, 0],
+                                                  fulls[slot])
+
+            with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
+                cid: tl.constexpr = tlx.async_task_replica_id()
+                idx = tl.arange(0, BLOCK)
+                slice_cols = tl.arange(0, 64)
+                grad_out_buf = grad_out_bufs[cid]
+                q_buf = head_bufs[4 * cid]
+                k_buf = head_bufs[4 * cid + 1]
+                v_buf = head_bufs[4 * cid + 2]
+                grad_attn_buf = head_bufs[4 * cid + 3]
+                p_t_buf = t_bufs[2 * cid]
+                ds_t_buf = t_bufs[2 * cid + 1]
+                pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
+                for r in range(0, n_rounds):
+                    start, length, row_ok, rows64 = _round_block(r, pid, nprog, cid, num_blocks, block_start_ptr,
+                                                                 block_len_ptr, NUM_CONSUMERS)
+                    # dY into the consumer's A tile, in 64-column slices (rows >= length as zeros). The previous
+                    # block's wgmmas were all waited: every tile is free.
+                    for c in tl.static_range(D // 64):
+                        offs = rows64[:, None] * D + (c * 64 + slice_cols)[None, :]
+                        grad_out = tl.load(grad_out_ptr + offs, mask=row_ok[:, None], other=0.0)
+                        tlx.local_store(tlx.local_slice(grad_out_buf, [0, c * 64], [BLOCK, 64]), grad_out)
+                    tlx.fence_async_shared()
+
+                    acc = tl.zeros((BLOCK, D), dtype=tl.float32)
+                    k0 = r * BOXES
+                    for head in tl.static_range(HEADS):
+                        col = head * HEAD_DIM
+                        w_buf, slot = _next_box(w_bufs, fulls, k0 + 4 * head, NUM_STAGES)
+                        grad_attn = tlx.async_dot(grad_out_buf, tlx.local_trans(w_buf))
+                        grad_attn = tlx.async_dot_wait(0, grad_attn)
+                        tlx.barrier_arrive(empties[slot], 1)
+                        offs = rows64[:, None] * (3 * D) + (col + tl.arange(0, HEAD_DIM))[None, :]
+                        q = tl.load(qkv_ptr + offs, mask=row_ok[:, None], other=0.0)
+                        k = tl.load(qkv_ptr + offs + D, mask=row_ok[:, None], other=0.0)
+                        v = tl.load(qkv_ptr + offs + 2 * D, mask=row_ok[:, None], other=0.0)
+                        if ROTARY:
+                            q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK,
+                                                             HEAD_DIM, ROTATE_V)
+                        tlx.local_store(grad_attn_buf, grad_attn.to(dtype))
+                        tlx.local_store(q_buf, q)
+                        tlx.local_store(k_buf, k)
+                        tlx.local_store(v_buf, v)
+                        tlx.fence_async_shared()
+
+                        scores = tlx.async_dot(q_buf, tlx.local_trans(k_buf))
+                        scores = tlx.async_dot_wait(0, scores)
+                        scores = tl.where((idx < length)[None, :], scores * qk_scale, float("-inf"))
+                        p = tl.math.exp2(scores - tl.max(scores, 1)[:, None])
+                        p = p / tl.sum(p, 1)[:, None]
+                        dp = tlx.async_dot(grad_attn_buf, tlx.local_trans(v_buf))
+                        dp = tlx.async_dot_wait(0, dp)
+                        ds = (p * (dp - tl.sum(p * dp, 1)[:, None]) * sm_scale).to(dtype)
+                        tlx.local_store(p_t_buf, tl.trans(p.to(dtype)))
+                        tlx.local_store(ds_t_buf, tl.trans(ds))
+                        tlx.fence_async_shared()
+                        dv = tlx.async_dot(p_t_buf, grad_attn_buf)
+                        dv = tlx.async_dot_wait(0, dv)
+                        dk = tlx.async_dot(ds_t_buf, q_buf)
+                        dk = tlx.async_dot_wait(0, dk)
+                        dq = tlx.async_dot(ds, k_buf)
+                        dq = tlx.async_dot_wait(0, dq)
+                        if ROTARY:
+                            dq = rotate_pairs(dq, cos, sin, BLOCK, HEAD_DIM, True)
+                            dk = rotate_pairs(dk, cos, sin, BLOCK, HEAD_DIM, True)
+                            if ROTATE_V:
+                                dv = rotate_pairs(dv, cos, sin, BLOCK, HEAD_DIM, True)
+                        dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+                        tl.store(grad_qkv_ptr + offs, dq, mask=row_ok[:, None])
+                        tl.store(grad_qkv_ptr + offs + D, dk, mask=row_ok[:, None])
+                        tl.store(grad_qkv_ptr + offs + 2 * D, dv, mask=row_ok[:, None])
+                        # dLN += dQ · Wq[head rows] + dK · Wk[...] + dV · Wv[...], from the q, k, v tiles
+                        # (every wgmma reading them was waited), in fp32 over all heads: one rounding less
+                        # than the unfused path's, as the Triton kernels do.
+                        tlx.local_store(q_buf, dq)
+                        tlx.local_store(k_buf, dk)
+                        tlx.local_store(v_buf, dv)
+                        tlx.fence_async_shared()
+                        for part in tl.static_range(3):
+                            w_buf, slot = _next_box(w_bufs, fulls, k0 + 4 * head + 1 + part, NUM_STAGES)
+                            acc = tlx.async_dot(head_bufs[4 * cid + part], w_buf, acc)
+                            acc = tlx.async_dot_wait(0, acc)
+                            tlx.barrier_arrive(empties[slot], 1)
+                    _store_accumulator(grad_normed_ptr, acc, rows64, row_ok, D)
+
 
 def tlx_blocks_unsupported_reason(d_model: int, head_dim: int, compute_dtype: torch.dtype) -> str | None:
     if (d_model, head_dim) not in SUPPORTED_SHAPES:
@@ -268,38 +423,65 @@ def tlx_blocks_unsupported_reason(d_model: int, head_dim: int, compute_dtype: to
     return None
 
 
+def _checked_config(d_model: int, num_heads: int, compute_dtype: torch.dtype, launch: str, direction: str) -> dict:
+    reason = tlx_blocks_unsupported_reason(d_model, d_model // num_heads, compute_dtype)
+    if reason is not None:
+        raise ValueError(f"attention_sublayer backend 'tlx' with plan 'blocks' cannot take {reason}; use the "
+                         f"default 'gemms' plan")
+    overrides = without_plan(launch_overrides(launch, direction))
+    return tlx_attention_sublayer_config(d_model, d_model // num_heads, tuple(sorted(overrides.items())),
+                                         backward=direction == "bwd")
+
+
+def _launch(kernel, w_qkv, w_out, block_start, args: tuple, num_heads: int, cos, rotate_v, cfg: dict) -> None:
+    """Runs `kernel` on the weights' TMA descriptors, then `args`. Woᵀ's rows h * head_dim ... are head h's
+    columns of Wo: boxes of one shape with Wqkv's, each a wgmma B operand as it lies (or transposed)."""
+    d_model = w_qkv.shape[1]
+    head_dim = d_model // num_heads
+    w_out_t = w_out.t().contiguous()
+    box = [head_dim, d_model]
+    grid = max(1, min(_num_sms(w_qkv.device), triton.cdiv(block_start.numel(), cfg["NUM_CONSUMERS"])))
+    with torch.cuda.device(w_qkv.device):
+        kernel[(grid,)](
+            TensorDescriptor(w_qkv, shape=list(w_qkv.shape), strides=[d_model, 1], block_shape=box),
+            TensorDescriptor(w_out_t, shape=list(w_out_t.shape), strides=[d_model, 1], block_shape=box),
+            *args, D=d_model, HEADS=num_heads, HEAD_DIM=head_dim, ROTARY=cos is not None,
+            ROTATE_V=cos is not None and bool(rotate_v), num_warps=4, num_stages=1, **cfg,
+        )
+
+
 def forward_blocks_tlx(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out, block_start, block_len, num_blocks, cos,
                        sin, num_heads, rotate_v, eps, launch):
     """(y, qkv, attn, mean, rstd), as attention_sublayer_blocks.forward_blocks returns them."""
     tokens, d_model = x.shape
     head_dim = d_model // num_heads
-    reason = tlx_blocks_unsupported_reason(d_model, head_dim, w_qkv.dtype)
-    if reason is not None:
-        raise ValueError(f"attention_sublayer backend 'tlx' with plan 'blocks' cannot take {reason}; use the "
-                         f"default 'gemms' plan")
-    overrides = without_plan(launch_overrides(launch, "fwd"))
-    cfg = tlx_attention_sublayer_config(d_model, head_dim, tuple(sorted(overrides.items())))
+    cfg = _checked_config(d_model, num_heads, w_qkv.dtype, launch, "fwd")
     x = x.contiguous()
     y = torch.empty((tokens, d_model), dtype=x.dtype, device=x.device)
     qkv = torch.empty((tokens, 3 * d_model), dtype=w_qkv.dtype, device=x.device)
     attn = torch.empty((tokens, num_heads, head_dim), dtype=w_qkv.dtype, device=x.device)
     mean = torch.empty(tokens, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    if tokens == 0 or block_start.numel() == 0:
-        return y, qkv, attn, mean, rstd
-    # Woᵀ's rows h * head_dim ... are head h's columns of Wo: boxes of one shape with Wqkv's, each the
-    # wgmma B operand as it lies.
-    w_out_t = w_out.t().contiguous()
-    box = [head_dim, d_model]
-    grid = max(1, min(_num_sms(x.device), triton.cdiv(block_start.numel(), cfg["NUM_CONSUMERS"])))
-    sm_scale = 1.0 / math.sqrt(head_dim)  # written as block attention's launcher writes it: the same bits
-    with torch.cuda.device(x.device):
-        _tlx_attention_sublayer_fwd[(grid,)](
-            TensorDescriptor(w_qkv, shape=list(w_qkv.shape), strides=[d_model, 1], block_shape=box),
-            TensorDescriptor(w_out_t, shape=list(w_out_t.shape), strides=[d_model, 1], block_shape=box),
-            x, norm_weight, norm_bias, b_qkv, b_out, cos, sin, block_start, block_len, num_blocks,
-            y, qkv, attn, mean, rstd, eps, sm_scale * math.log2(math.e),
-            D=d_model, HEADS=num_heads, HEAD_DIM=head_dim, ROTARY=cos is not None,
-            ROTATE_V=cos is not None and bool(rotate_v), num_warps=4, num_stages=1, **cfg,
-        )
+    if tokens and block_start.numel():
+        args = (x, norm_weight, norm_bias, b_qkv, b_out, cos, sin, block_start, block_len, num_blocks, y, qkv, attn,
+                mean, rstd, eps, _softmax_scale(head_dim) * math.log2(math.e))
+        _launch(_tlx_attention_sublayer_fwd, w_qkv, w_out, block_start, args, num_heads, cos, rotate_v, cfg)
     return y, qkv, attn, mean, rstd
+
+
+def backward_core_tlx(grad_out, qkv, w_qkv, w_out, block_start, block_len, num_blocks, cos, sin, num_heads, rotate_v,
+                      launch):
+    """(dQKV [T, 3D] in the compute dtype, dLN [T, D] in fp32) from dY in the compute dtype (grad_out [T, D]):
+    what the "gemms" backward gets from dAttn's GEMM, the block-attention backward and dLN's GEMM, in one
+    kernel."""
+    tokens, d_model = grad_out.shape
+    head_dim = d_model // num_heads
+    cfg = _checked_config(d_model, num_heads, w_qkv.dtype, launch, "bwd")
+    grad_qkv = torch.empty((tokens, 3 * d_model), dtype=w_qkv.dtype, device=grad_out.device)
+    grad_normed = torch.empty((tokens, d_model), dtype=torch.float32, device=grad_out.device)
+    if tokens and block_start.numel():
+        scale = _softmax_scale(head_dim)
+        args = (grad_out.contiguous(), qkv.contiguous(), cos, sin, block_start, block_len, num_blocks, grad_qkv,
+                grad_normed, scale, scale * math.log2(math.e))
+        _launch(_tlx_attention_sublayer_bwd, w_qkv, w_out, block_start, args, num_heads, cos, rotate_v, cfg)
+    return grad_qkv, grad_normed

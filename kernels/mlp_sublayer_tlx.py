@@ -37,7 +37,7 @@ try:
     # One GELU (and its derivative) for both backends; LayerNorm's backward is the Triton kernel's.
     from .mlp_sublayer_triton import _backward as _triton_backward
     from .sublayer_triton import _gelu, _gelu_and_grad, layer_norm_backward
-    from .sublayer_tlx import _layer_norm_to_smem, _load_x_slice, _residual_store
+    from .sublayer_tlx import _layer_norm_to_smem, _load_x_slice, _residual_store, _store_accumulator
 
     HAS_TLX = True
 except ImportError:  # plain triton (no extra.tlx) or no triton at all: the backend is unavailable
@@ -227,37 +227,6 @@ if HAS_TLX:
                     _residual_store(out, normed_buf, x_ptr, y_ptr, rows64, row_ok, D, CHUNK)
                 # SMEM must outlive the last store's read of it.
                 tlx.async_descriptor_store_wait(0)
-
-
-
-    @triton.jit
-    def _store_fp32_columns(ptr, acc, rows64, row_ok, col0: tl.constexpr, D: tl.constexpr):
-        cols = col0 + tl.arange(0, 64)
-        tl.store(ptr + rows64[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
-
-    @triton.jit
-    def _split_columns(acc, WIDTH: tl.constexpr):
-        """The left and right column halves of a [64, WIDTH] register tile."""
-        return tl.split(tl.permute(tl.reshape(acc, (64, 2, WIDTH // 2)), (0, 2, 1)))
-
-    @triton.jit
-    def _store_accumulator(ptr, acc, rows64, row_ok, D: tl.constexpr):
-        """A [64, D] fp32 accumulator stored in 64-column slices: a store of the whole tile would need
-        [64, D] int64 addresses beside it in registers."""
-        if D == 64:
-            _store_fp32_columns(ptr, acc, rows64, row_ok, 0, D)
-        elif D == 128:
-            left, right = _split_columns(acc, 128)
-            _store_fp32_columns(ptr, left, rows64, row_ok, 0, D)
-            _store_fp32_columns(ptr, right, rows64, row_ok, 64, D)
-        else:
-            left, right = _split_columns(acc, 256)
-            a, b = _split_columns(left, 128)
-            _store_fp32_columns(ptr, a, rows64, row_ok, 0, D)
-            _store_fp32_columns(ptr, b, rows64, row_ok, 64, D)
-            a, b = _split_columns(right, 128)
-            _store_fp32_columns(ptr, a, rows64, row_ok, 128, D)
-            _store_fp32_columns(ptr, b, rows64, row_ok, 192, D)
 
     @triton.jit
     def _tlx_mlp_sublayer_bwd(

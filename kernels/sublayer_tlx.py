@@ -1,6 +1,6 @@
 """TLX code both fused sublayers' Hopper kernels share (kernels/mlp_sublayer_tlx.py,
 kernels/attention_sublayer_tlx.py): a consumer warpgroup's LayerNorm of its 64 rows into a shared-memory
-A tile, and its residual epilogue.
+A tile, its residual epilogue, and the store of a [64, D] fp32 accumulator.
 
 Both work in 64-column slices of x: a whole fp32 [64, 256] tile beside its int64 addresses would not
 fit a consumer's registers next to the [64, D] accumulator. x has contiguous rows of D elements; rows
@@ -61,3 +61,32 @@ if HAS_TLX:
             y = _load_x_slice(x_ptr, rows64, row_ok, c, D, CHUNK) + out_slice.to(tl.float32)
             offs = rows64[:, None] * D + (c * CHUNK + hcols)[None, :]
             tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _store_fp32_columns(ptr, acc, rows64, row_ok, col0: tl.constexpr, D: tl.constexpr):
+        cols = col0 + tl.arange(0, 64)
+        tl.store(ptr + rows64[:, None] * D + cols[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _split_columns(acc, WIDTH: tl.constexpr):
+        """The left and right column halves of a [64, WIDTH] register tile."""
+        return tl.split(tl.permute(tl.reshape(acc, (64, 2, WIDTH // 2)), (0, 2, 1)))
+
+    @triton.jit
+    def _store_accumulator(ptr, acc, rows64, row_ok, D: tl.constexpr):
+        """A [64, D] fp32 accumulator stored in 64-column slices: a store of the whole tile would need
+        [64, D] int64 addresses beside it in registers."""
+        if D == 64:
+            _store_fp32_columns(ptr, acc, rows64, row_ok, 0, D)
+        elif D == 128:
+            left, right = _split_columns(acc, 128)
+            _store_fp32_columns(ptr, left, rows64, row_ok, 0, D)
+            _store_fp32_columns(ptr, right, rows64, row_ok, 64, D)
+        else:
+            left, right = _split_columns(acc, 256)
+            a, b = _split_columns(left, 128)
+            _store_fp32_columns(ptr, a, rows64, row_ok, 0, D)
+            _store_fp32_columns(ptr, b, rows64, row_ok, 64, D)
+            a, b = _split_columns(right, 128)
+            _store_fp32_columns(ptr, a, rows64, row_ok, 128, D)
+            _store_fp32_columns(ptr, b, rows64, row_ok, 192, D)

@@ -20,7 +20,7 @@ if HAS_TLX:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from .attention_sublayer_tlx import _tlx_attention_sublayer_fwd
+    from .attention_sublayer_tlx import _tlx_attention_sublayer_bwd, _tlx_attention_sublayer_fwd
     from .mlp_sublayer_tlx import _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
     from .block_attention_tlx import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
@@ -122,8 +122,9 @@ def _mlp_source(cfg: MlpAotConfig):
 
 @dataclass(frozen=True)
 class AttentionSublayerAotConfig:
-    """The attention sublayer's TLX "blocks" forward (kernels/attention_sublayer_tlx.py) at one shape."""
+    """A kernel of the attention sublayer's TLX "blocks" plan (kernels/attention_sublayer_tlx.py) at one shape."""
 
+    direction: str  # "fwd" or "bwd"
     d_model: int
     head_dim: int
     rotary: bool
@@ -134,33 +135,45 @@ class AttentionSublayerAotConfig:
     @property
     def name(self) -> str:
         rot = ("rotary_v" if self.rotate_v else "rotary") if self.rotary else "plain"
-        return f"attention_sublayer_fwd_d{self.d_model}_h{self.head_dim}_{rot}_x{self.x_dtype}_{self.dtype}"
+        x_dtype = f"_x{self.x_dtype}" if self.direction == "fwd" else ""  # the backward never reads x
+        return (f"attention_sublayer_{self.direction}_d{self.d_model}_h{self.head_dim}_{rot}{x_dtype}_"
+                f"{self.dtype}")
 
     @property
     def knobs(self) -> dict:
-        return attention_sublayer_tlx.tlx_attention_sublayer_config(self.d_model, self.head_dim)
+        return attention_sublayer_tlx.tlx_attention_sublayer_config(self.d_model, self.head_dim,
+                                                                    backward=self.direction == "bwd")
 
 
 def attention_sublayer_aot_configs() -> list[AttentionSublayerAotConfig]:
-    """Every supported shape with rotary on q, k in the model's dtypes; the rotary variants and the other
-    dtypes at the gpu config's shape (d_model 256, heads of 64)."""
-    configs = [AttentionSublayerAotConfig(d, h, True) for d, h in attention_sublayer_tlx.SUPPORTED_SHAPES]
-    configs += [AttentionSublayerAotConfig(256, 64, False), AttentionSublayerAotConfig(256, 64, True, True),
-                AttentionSublayerAotConfig(256, 64, True, False, "bf16", "bf16"),
-                AttentionSublayerAotConfig(256, 64, True, False, "fp16", "fp16")]
-    return configs
+    """Each direction at every supported shape with rotary on q, k in the model's dtypes; the rotary
+    variants and the other dtypes at the gpu config's shape (d_model 256, heads of 64)."""
+    configs = []
+    for direction in ("fwd", "bwd"):
+        configs += [AttentionSublayerAotConfig(direction, d, h, True) for d, h in attention_sublayer_tlx.SUPPORTED_SHAPES]
+        configs += [AttentionSublayerAotConfig(direction, 256, 64, False),
+                    AttentionSublayerAotConfig(direction, 256, 64, True, True),
+                    AttentionSublayerAotConfig(direction, 256, 64, True, False, "fp16", "fp16")]
+    # The forward reads x (and writes y) in x's own dtype.
+    return configs + [AttentionSublayerAotConfig("fwd", 256, 64, True, False, "bf16", "bf16")]
 
 
 def _attention_sublayer_source(cfg: AttentionSublayerAotConfig):
-    fn = _tlx_attention_sublayer_fwd
     dt, x = cfg.dtype, cfg.x_dtype
     constexprs = dict(D=cfg.d_model, HEADS=cfg.d_model // cfg.head_dim, HEAD_DIM=cfg.head_dim, ROTARY=cfg.rotary,
                       ROTATE_V=cfg.rotate_v, **cfg.knobs)
     box = f"tensordesc<{dt}[{cfg.head_dim}, {cfg.d_model}]>"
-    signature = dict(desc_w_qkv=box, desc_w_out_t=box, x_ptr=f"*{x}", norm_weight_ptr=f"*{x}", norm_bias_ptr=f"*{x}",
-                     b_qkv_ptr=f"*{dt}", b_out_ptr=f"*{dt}", block_start_ptr="*i32", block_len_ptr="*i32",
-                     num_blocks_ptr="*i64", y_ptr=f"*{x}", qkv_ptr=f"*{dt}", attn_ptr=f"*{dt}", mean_ptr="*fp32",
-                     rstd_ptr="*fp32", eps="fp32", qk_scale="fp32")
+    blocks = dict(block_start_ptr="*i32", block_len_ptr="*i32", num_blocks_ptr="*i64")
+    if cfg.direction == "fwd":
+        fn = _tlx_attention_sublayer_fwd
+        signature = dict(desc_w_qkv=box, desc_w_out_t=box, x_ptr=f"*{x}", norm_weight_ptr=f"*{x}",
+                         norm_bias_ptr=f"*{x}", b_qkv_ptr=f"*{dt}", b_out_ptr=f"*{dt}", **blocks, y_ptr=f"*{x}",
+                         qkv_ptr=f"*{dt}", attn_ptr=f"*{dt}", mean_ptr="*fp32", rstd_ptr="*fp32", eps="fp32",
+                         qk_scale="fp32")
+    else:
+        fn = _tlx_attention_sublayer_bwd
+        signature = dict(desc_w_qkv=box, desc_w_out_t=box, grad_out_ptr=f"*{dt}", qkv_ptr=f"*{dt}", **blocks,
+                         grad_qkv_ptr=f"*{dt}", grad_normed_ptr="*fp32", sm_scale="fp32", qk_scale="fp32")
     if cfg.rotary:
         signature.update(cos_ptr="*fp32", sin_ptr="*fp32")
     else:
@@ -252,7 +265,7 @@ def tuning_of(cfg: AotConfig) -> dict:
     if isinstance(cfg, AttentionSublayerAotConfig):
         tuning = cfg.knobs
         return dict(tuning, smem_estimate=attention_sublayer_tlx.smem_bytes(
-            cfg.d_model, cfg.head_dim, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"]))
+            cfg.d_model, cfg.head_dim, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"], cfg.direction == "bwd"))
     if isinstance(cfg, MlpAotConfig):
         tuning = cfg.knobs
         return dict(tuning, smem_estimate=mlp_sublayer_tlx.smem_bytes(

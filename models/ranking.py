@@ -70,8 +70,8 @@ class RankingModelConfig:
         attention_sublayer_plan: how the fused attention sublayer runs (kernels/attention_sublayer_kernels.py):
             "gemms", GEMMs around the block-attention kernel; "blocks", each pass as one kernel per
             64-token block, which the triton backend (both passes Triton's; 2.2x slower than "gemms" on
-            the H200, benchmarks/results/attention_sublayer_h200.md) and the tlx backend (a TLX forward,
-            not yet run on a GPU, and Triton's backward) have.
+            the H200, benchmarks/results/attention_sublayer_h200.md) and the tlx backend (TLX kernels,
+            compiled for sm_90 but not yet run on a GPU) have.
         fused_mlp: the same for each layer's LayerNorm + MLP + residual (kernels.mlp_sublayer).
         compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
             head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.

@@ -50,13 +50,15 @@ for s in "$@"; do
         --variant triton_gemms_fwd_n256 triton '{"fwd": {"block_n": 256}}' \
         --variant tlx_tiles_bwd tlx '{"bwd": {"TRITON_BACKWARD": false}}' ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
-    # Variant rows: the per-block kernels ("blocks" plan): the Triton backend's, each pass alone and both, and
-    # the tlx backend's TLX forward before the default backward.
+    # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
+    # pass alone (beside the default plan's other pass) and both.
     attention_bench) step attention_bench 500 python3 -m benchmarks.bench_sublayer --sublayer attention --out "$OUT/attention_sublayer_h200" --profile \
         --variant triton_blocks triton '{"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}}' \
         --variant triton_blocks_fwd triton '{"fwd": {"plan": "blocks"}}' \
         --variant triton_blocks_bwd triton '{"bwd": {"plan": "blocks"}}' \
-        --variant tlx_blocks_fwd tlx '{"fwd": {"plan": "blocks"}}' ;;
+        --variant tlx_blocks tlx '{"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}}' \
+        --variant tlx_blocks_fwd tlx '{"fwd": {"plan": "blocks"}}' \
+        --variant tlx_blocks_bwd tlx '{"bwd": {"plan": "blocks"}}' ;;
     # The step with and without one fused sublayer (model.net.fused_mlp, model.net.fused_attention), back to back on one machine.
     profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
         step profile_${switch}_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \

@@ -240,6 +240,8 @@ def test_plans_get_clear_errors():
         tlx_attention_sublayer_config(256, 64, (("num_warps", 4),))
     with pytest.raises(ValueError, match="needs .* B of shared memory"):
         tlx_attention_sublayer_config(256, 64, (("NUM_CONSUMERS", 2), ("NUM_STAGES", 3)))
+    with pytest.raises(ValueError, match="unknown attention_sublayer tlx 'blocks' bwd launch settings"):
+        tlx_attention_sublayer_config(256, 64, (("plan", "blocks"),), backward=True)
 
 
 def _op_args(tokens=70, seed=4):

@@ -186,9 +186,9 @@ def test_attention_sublayer_parity(backend, num_heads, head_dim, dtypes, rotary)
 @pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (2, 128), (2, 64), (1, 64)))
 @pytest.mark.parametrize("backend", ("triton", "tlx"))
 def test_attention_sublayer_parity_blocks_plan(backend, num_heads, head_dim, dtypes, rotary):
-    """The per-block kernels, both passes, as above: the triton backend's (kernels/attention_sublayer_blocks.py),
-    and the tlx backend's TLX forward (kernels/attention_sublayer_tlx.py) with Triton's backward; also d_model
-    64 and 128, where the TLX forward runs two consumers."""
+    """The per-block kernels, both passes, as above: the triton backend's (kernels/attention_sublayer_blocks.py)
+    and the tlx backend's (kernels/attention_sublayer_tlx.py); also d_model 64 and 128, where the TLX kernels
+    run two consumers."""
     from kernels.attention_sublayer_tlx import tlx_blocks_unsupported_reason
 
     x_dtype, compute_dtype = MLP_DTYPES[dtypes]
