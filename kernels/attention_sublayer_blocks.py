@@ -79,6 +79,27 @@ def _head_projection(normed, w_ptr, b_ptr, first_row, D: tl.constexpr, HEAD_DIM:
 
 
 @triton.jit
+def _rotated_back(dq, dk, dv, cos, sin, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTATE_V: tl.constexpr):
+    """A head's fp32 gradients of the rotated q, k (and with ROTATE_V v) taken back through rotary."""
+    dq = rotate_pairs(dq, cos, sin, BLOCK, HEAD_DIM, True)
+    dk = rotate_pairs(dk, cos, sin, BLOCK, HEAD_DIM, True)
+    if ROTATE_V:
+        dv = rotate_pairs(dv, cos, sin, BLOCK, HEAD_DIM, True)
+    return dq, dk, dv
+
+
+@triton.jit
+def _store_head_gradients(grad_qkv_ptr, offs, dq, dk, dv, row_ok, D: tl.constexpr, dtype: tl.constexpr):
+    """A head's dq, dk, dv rounded to the compute dtype and stored at their columns of dQKV [T, 3D] (offs:
+    the head's q columns); returns the rounded tiles."""
+    dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    tl.store(grad_qkv_ptr + offs, dq, mask=row_ok[:, None])
+    tl.store(grad_qkv_ptr + offs + D, dk, mask=row_ok[:, None])
+    tl.store(grad_qkv_ptr + offs + 2 * D, dv, mask=row_ok[:, None])
+    return dq, dk, dv
+
+
+@triton.jit
 def _block_rows(block_start_ptr, block_len_ptr, blk, BLOCK: tl.constexpr):
     """Block `blk` of the table: its first token, length, token indices and row mask."""
     start = tl.load(block_start_ptr + blk)
@@ -193,14 +214,8 @@ def _attention_sublayer_bwd_blocks(
             dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
             dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
             if ROTARY:
-                dq = rotate_pairs(dq, cos, sin, BLOCK, HEAD_DIM, True)
-                dk = rotate_pairs(dk, cos, sin, BLOCK, HEAD_DIM, True)
-                if ROTATE_V:
-                    dv = rotate_pairs(dv, cos, sin, BLOCK, HEAD_DIM, True)
-            dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
-            tl.store(grad_qkv_ptr + qkv_offs, dq, mask=row_ok[:, None])
-            tl.store(grad_qkv_ptr + qkv_offs + D, dk, mask=row_ok[:, None])
-            tl.store(grad_qkv_ptr + qkv_offs + 2 * D, dv, mask=row_ok[:, None])
+                dq, dk, dv = _rotated_back(dq, dk, dv, cos, sin, BLOCK, HEAD_DIM, ROTATE_V)
+            dq, dk, dv = _store_head_gradients(grad_qkv_ptr, qkv_offs, dq, dk, dv, row_ok, D, dtype)
             # Rows >= length are zero in all three (their dY rows are), so the sums take every row.
             parts_offs = tl.cast(blk, tl.int64) * (3 * D) + head * HEAD_DIM + head_cols
             tl.store(qkv_column_parts_ptr + parts_offs, tl.sum(dq.to(tl.float32), 0))

@@ -59,7 +59,8 @@ if HAS_TLX:
     import triton.language.extra.tlx as tlx
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .block_attention_triton import _rotate_item, rotate_pairs
+    from .attention_sublayer_blocks import _rotated_back, _store_head_gradients
+    from .block_attention_triton import _rotate_item
     from .sublayer_tlx import _layer_norm_to_smem, _residual_store, _store_accumulator
 
 SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
@@ -158,6 +159,42 @@ if HAS_TLX:
         return start, length, idx < length, (start + idx).to(tl.int64)
 
     @triton.jit
+    def _alloc_weight_ring(dtype: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_STAGES: tl.constexpr,
+                           NUM_CONSUMERS: tl.constexpr):
+        """The ring of weight boxes both kernels stream, and each slot's full and empty barrier: every
+        consumer reads every box, so a slot is free once all of them have arrived."""
+        return (tlx.local_alloc((HEAD_DIM, D), dtype, NUM_STAGES),
+                tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1),
+                tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS))
+
+    @triton.jit
+    def _load_weight_boxes(desc_w_qkv, desc_w_out_t, w_bufs, fulls, empties, num_blocks_ptr, D: tl.constexpr,
+                           HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_STAGES: tl.constexpr,
+                           NUM_CONSUMERS: tl.constexpr, BACKWARD: tl.constexpr):
+        """The producer partition: every round's 4 * HEADS weight boxes, in the order the consumers take
+        them. Forward: each head's q, k, v rows of Wqkv, then Woᵀ's head rows of every head. Backward:
+        per head, Woᵀ's head rows, then its q, k, v rows of Wqkv."""
+        BOXES: tl.constexpr = 4 * HEADS
+        BOX_BYTES: tl.constexpr = HEAD_DIM * D * tlx.size_of(tlx.dtype_of(desc_w_qkv))
+        pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
+        for k in range(0, n_rounds * BOXES):
+            box = k % BOXES
+            if BACKWARD:
+                head = box // 4
+                part = box - 4 * head - 1  # -1: Woᵀ; 0, 1, 2: q, k, v
+            else:
+                head = tl.where(box < 3 * HEADS, box // 3, box - 3 * HEADS)
+                part = tl.where(box < 3 * HEADS, box - 3 * (box // 3), -1)
+            slot = k % NUM_STAGES
+            # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
+            tlx.barrier_wait(empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
+            tlx.barrier_expect_bytes(fulls[slot], BOX_BYTES)
+            if part < 0:
+                tlx.async_descriptor_load(desc_w_out_t, w_bufs[slot], [head * HEAD_DIM, 0], fulls[slot])
+            else:
+                tlx.async_descriptor_load(desc_w_qkv, w_bufs[slot], [part * D + head * HEAD_DIM, 0], fulls[slot])
+
+    @triton.jit
     def _next_box(w_bufs, fulls, k, NUM_STAGES: tl.constexpr):
         """A consumer's box k: its ring slot, once the producer has filled it."""
         slot = k % NUM_STAGES
@@ -192,33 +229,17 @@ if HAS_TLX:
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
         dtype: tl.constexpr = tlx.dtype_of(desc_w_qkv)
-        BOX_BYTES: tl.constexpr = HEAD_DIM * D * tlx.size_of(dtype)
         BOXES: tl.constexpr = 4 * HEADS  # per block: q, k, v rows of each head, then Woᵀ's head rows
 
-        w_bufs = tlx.local_alloc((HEAD_DIM, D), dtype, NUM_STAGES)
+        w_bufs, fulls, empties = _alloc_weight_ring(dtype, D, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS)
         normed_bufs = tlx.local_alloc((BLOCK, D), dtype, NUM_CONSUMERS)
         qkv_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, 3 * NUM_CONSUMERS)
         attn_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, HEADS * NUM_CONSUMERS)
-        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
-        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
-                for k in range(0, n_rounds * BOXES):
-                    box = k % BOXES
-                    slot = k % NUM_STAGES
-                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
-                    tlx.barrier_wait(empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
-                    tlx.barrier_expect_bytes(fulls[slot], BOX_BYTES)
-                    if box < 3 * HEADS:
-                        head = box // 3
-                        part = box - 3 * head  # q, k, v: Wqkv's rows part * D + head * HEAD_DIM ...
-                        tlx.async_descriptor_load(desc_w_qkv, w_bufs[slot], [part * D + head * HEAD_DIM, 0],
-                                                  fulls[slot])
-                    else:
-                        tlx.async_descriptor_load(desc_w_out_t, w_bufs[slot], [(box - 3 * HEADS) * HEAD_DIM, 0],
-                                                  fulls[slot])
+                _load_weight_boxes(desc_w_qkv, desc_w_out_t, w_bufs, fulls, empties, num_blocks_ptr, D, HEADS,
+                                   HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, False)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -300,34 +321,19 @@ if HAS_TLX:
         they add nothing to dV, dK or dLN."""
         BLOCK: tl.constexpr = 64
         dtype: tl.constexpr = tlx.dtype_of(desc_w_qkv)
-        BOX_BYTES: tl.constexpr = HEAD_DIM * D * tlx.size_of(dtype)
         BOXES: tl.constexpr = 4 * HEADS  # per head: Woᵀ's head rows, then the head's q, k, v rows of Wqkv
 
-        w_bufs = tlx.local_alloc((HEAD_DIM, D), dtype, NUM_STAGES)
+        w_bufs, fulls, empties = _alloc_weight_ring(dtype, D, HEAD_DIM, NUM_STAGES, NUM_CONSUMERS)
         grad_out_bufs = tlx.local_alloc((BLOCK, D), dtype, NUM_CONSUMERS)
         # Per consumer: q, k, v (dQ, dK, dV once the attention's products have read them) and dAttn.
         head_bufs = tlx.local_alloc((BLOCK, HEAD_DIM), dtype, 4 * NUM_CONSUMERS)
         # wgmma's A operand is read row-major from SMEM, so Pᵀ and dSᵀ are written transposed.
         t_bufs = tlx.local_alloc((BLOCK, BLOCK), dtype, 2 * NUM_CONSUMERS)
-        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
-        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                pid, nprog, n_rounds, num_blocks = _block_rounds(num_blocks_ptr, NUM_CONSUMERS)
-                for k in range(0, n_rounds * BOXES):
-                    box = k % BOXES
-                    head = box // 4
-                    part = box - 4 * head
-                    slot = k % NUM_STAGES
-                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
-                    tlx.barrier_wait(empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
-                    tlx.barrier_expect_bytes(fulls[slot], BOX_BYTES)
-                    if part == 0:
-                        tlx.async_descriptor_load(desc_w_out_t, w_bufs[slot], [head * HEAD_DIM, 0], fulls[slot])
-                    else:
-                        tlx.async_descriptor_load(desc_w_qkv, w_bufs[slot], [(part - 1) * D + head * HEAD_DIM, 0],
-                                                  fulls[slot])
+                _load_weight_boxes(desc_w_qkv, desc_w_out_t, w_bufs, fulls, empties, num_blocks_ptr, D, HEADS,
+                                   HEAD_DIM, NUM_STAGES, NUM_CONSUMERS, True)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -391,14 +397,8 @@ if HAS_TLX:
                         dq = tlx.async_dot(ds, k_buf)
                         dq = tlx.async_dot_wait(0, dq)
                         if ROTARY:
-                            dq = rotate_pairs(dq, cos, sin, BLOCK, HEAD_DIM, True)
-                            dk = rotate_pairs(dk, cos, sin, BLOCK, HEAD_DIM, True)
-                            if ROTATE_V:
-                                dv = rotate_pairs(dv, cos, sin, BLOCK, HEAD_DIM, True)
-                        dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
-                        tl.store(grad_qkv_ptr + offs, dq, mask=row_ok[:, None])
-                        tl.store(grad_qkv_ptr + offs + D, dk, mask=row_ok[:, None])
-                        tl.store(grad_qkv_ptr + offs + 2 * D, dv, mask=row_ok[:, None])
+                            dq, dk, dv = _rotated_back(dq, dk, dv, cos, sin, BLOCK, HEAD_DIM, ROTATE_V)
+                        dq, dk, dv = _store_head_gradients(grad_qkv_ptr, offs, dq, dk, dv, row_ok, D, dtype)
                         # dLN += dQ · Wq[head rows] + dK · Wk[...] + dV · Wv[...], from the q, k, v tiles
                         # (every wgmma reading them was waited), in fp32 over all heads: one rounding less
                         # than the unfused path's, as the Triton kernels do.
