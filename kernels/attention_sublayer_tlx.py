@@ -34,10 +34,10 @@ boxes of Wqkv: dAttn = dY · Wo[:, head] (Woᵀ's box transposed in place), roun
 output; q, k, v read back from qkv and rotated again; P recomputed exactly (one key tile), dP, dS,
 then dV = Pᵀ dAttn, dK = dSᵀ q, dQ = dS k, rotated back and stored as dQKV [T, 3D]; and dQKV's
 product with Wqkv, LayerNorm's output gradient, accumulated in fp32 over the heads. That accumulator
-is live through the heads, which spills at d_model 256 (`ptxas -v` on the AOT build: 1,212 bytes of
-spill stores a thread); the
-alternative, reading every head's dQ, dK, dV back after the heads, needs 96 KiB more shared memory or a
-barrier between the consumer's own global stores and loads. LayerNorm's backward, dWqkv, dWo and the
+is live through the heads, which spills at d_model 256 (`ptxas -v` on the AOT build: 968 bytes of
+spill stores a thread with rotary; 1,212 before q, k, v were brought in one at a time); the
+alternative, reading every head's dQ, dK, dV back after the heads, needs 96 KiB more shared memory
+or a barrier between the consumer's own global stores and loads. LayerNorm's backward, dWqkv, dWo and the
 bias sums stay the "gemms" plan's kernels (attention_sublayer_kernels.py), which take dQKV and that
 fp32 gradient from here.
 """
@@ -60,7 +60,7 @@ if HAS_TLX:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .attention_sublayer_blocks import _rotated_back, _store_head_gradients
-    from .block_attention_triton import _rotate_item
+    from .block_attention_triton import _load_rotary, _rotate_item, rotate_pairs
     from .sublayer_tlx import _layer_norm_to_smem, _residual_store, _store_accumulator
 
 SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
@@ -193,6 +193,16 @@ if HAS_TLX:
                 tlx.async_descriptor_load(desc_w_out_t, w_bufs[slot], [head * HEAD_DIM, 0], fulls[slot])
             else:
                 tlx.async_descriptor_load(desc_w_qkv, w_bufs[slot], [part * D + head * HEAD_DIM, 0], fulls[slot])
+
+    @triton.jit
+    def _saved_tile_to_smem(buf, ptrs, cos_ptr, sin_ptr, start, row_ok, ROTATE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """A saved [64, HEAD_DIM] q, k or v tile (rows >= length as zeros) into buf, with ROTATE rotated in
+        fp32 and rounded once, as the forward rotated it."""
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        if ROTATE:
+            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, 64, HEAD_DIM)
+            tile = rotate_pairs(tile.to(tl.float32), cos, sin, 64, HEAD_DIM, False).to(tile.dtype)
+        tlx.local_store(buf, tile)
 
     @triton.jit
     def _next_box(w_bufs, fulls, k, NUM_STAGES: tl.constexpr):
@@ -366,17 +376,15 @@ if HAS_TLX:
                         grad_attn = tlx.async_dot(grad_out_buf, tlx.local_trans(w_buf))
                         grad_attn = tlx.async_dot_wait(0, grad_attn)
                         tlx.barrier_arrive(empties[slot], 1)
-                        offs = rows64[:, None] * (3 * D) + (col + tl.arange(0, HEAD_DIM))[None, :]
-                        q = tl.load(qkv_ptr + offs, mask=row_ok[:, None], other=0.0)
-                        k = tl.load(qkv_ptr + offs + D, mask=row_ok[:, None], other=0.0)
-                        v = tl.load(qkv_ptr + offs + 2 * D, mask=row_ok[:, None], other=0.0)
-                        if ROTARY:
-                            q, k, v, cos, sin = _rotate_item(q, k, v, cos_ptr, sin_ptr, start, row_ok, BLOCK,
-                                                             HEAD_DIM, ROTATE_V)
                         tlx.local_store(grad_attn_buf, grad_attn.to(dtype))
-                        tlx.local_store(q_buf, q)
-                        tlx.local_store(k_buf, k)
-                        tlx.local_store(v_buf, v)
+                        # q, k, v read back one at a time, each rotated again straight into its tile, so
+                        # few [64, HEAD_DIM] tiles are live beside dLN's accumulator.
+                        offs = rows64[:, None] * (3 * D) + (col + tl.arange(0, HEAD_DIM))[None, :]
+                        _saved_tile_to_smem(q_buf, qkv_ptr + offs, cos_ptr, sin_ptr, start, row_ok, ROTARY, HEAD_DIM)
+                        _saved_tile_to_smem(k_buf, qkv_ptr + offs + D, cos_ptr, sin_ptr, start, row_ok, ROTARY,
+                                            HEAD_DIM)
+                        _saved_tile_to_smem(v_buf, qkv_ptr + offs + 2 * D, cos_ptr, sin_ptr, start, row_ok,
+                                            ROTARY and ROTATE_V, HEAD_DIM)
                         tlx.fence_async_shared()
 
                         scores = tlx.async_dot(q_buf, tlx.local_trans(k_buf))
@@ -397,6 +405,8 @@ if HAS_TLX:
                         dq = tlx.async_dot(ds, k_buf)
                         dq = tlx.async_dot_wait(0, dq)
                         if ROTARY:
+                            # cos/sin again (from L2) rather than held through the attention's products.
+                            cos, sin = _load_rotary(cos_ptr, sin_ptr, start, row_ok, BLOCK, HEAD_DIM)
                             dq, dk, dv = _rotated_back(dq, dk, dv, cos, sin, BLOCK, HEAD_DIM, ROTATE_V)
                         dq, dk, dv = _store_head_gradients(grad_qkv_ptr, offs, dq, dk, dv, row_ok, D, dtype)
                         # dLN += dQ · Wq[head rows] + dK · Wk[...] + dV · Wv[...], from the q, k, v tiles
