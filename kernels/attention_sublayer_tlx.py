@@ -426,10 +426,10 @@ if HAS_TLX:
 
 def tlx_blocks_unsupported_reason(d_model: int, head_dim: int, compute_dtype: torch.dtype) -> str | None:
     if (d_model, head_dim) not in SUPPORTED_SHAPES:
-        return (f"d_model {d_model} in heads of {head_dim} (the tlx 'blocks' forward takes (d_model, head_dim) in "
+        return (f"d_model {d_model} in heads of {head_dim} (the tlx 'blocks' kernels take (d_model, head_dim) in "
                 f"{SUPPORTED_SHAPES}: larger weight boxes and tiles do not fit in shared memory)")
     if compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
-        return f"compute dtype {compute_dtype} (the tlx 'blocks' forward's matmuls take float16 or bfloat16)"
+        return f"compute dtype {compute_dtype} (the tlx 'blocks' kernels' matmuls take float16 or bfloat16)"
     return None
 
 

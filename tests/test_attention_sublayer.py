@@ -230,7 +230,7 @@ def test_plans_get_clear_errors():
         attention_sublayer(leaves[0], offsets, *leaves[1:], num_heads=2, backend="triton",
                            launch={"fwd": {"plan": "blocks", "maxnreg": 128}})
     assert _plan('{"bwd": {"plan": "blocks"}}', "fwd") == "gemms"
-    # The tlx backend has no GPU here: its 'blocks' forward's checks, host-side, directly.
+    # The tlx backend has no GPU here: its 'blocks' kernels' checks, host-side, directly.
     from kernels.attention_sublayer_tlx import tlx_attention_sublayer_config, tlx_blocks_unsupported_reason
 
     assert tlx_blocks_unsupported_reason(256, 64, torch.bfloat16) is None

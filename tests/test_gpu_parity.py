@@ -196,7 +196,7 @@ def test_attention_sublayer_parity_blocks_plan(backend, num_heads, head_dim, dty
         pytest.skip(f"{backend} is not available on this machine")
     reason = tlx_blocks_unsupported_reason(num_heads * head_dim, head_dim, compute_dtype) if backend == "tlx" else None
     if reason is not None:
-        pytest.skip(f"the tlx 'blocks' forward does not take {reason}")
+        pytest.skip(f"the tlx 'blocks' kernels do not take {reason}")
     result = attention_sublayer_parity(backend, lengths=RAGGED, num_heads=num_heads, head_dim=head_dim,
                                        x_dtype=x_dtype, compute_dtype=compute_dtype, rotary=ROTARY[rotary],
                                        device="cuda", launch={"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}})
