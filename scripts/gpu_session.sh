@@ -65,9 +65,9 @@ for s in "$@"; do
           --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.$switch=$fused \
           --out "$OUT/profile_step_${switch}_${fused}_h200"
       done ;;
-    # The step with the fused attention sublayer's per-block plan (triton backend), beside profile_attention's runs.
+    # The step with the fused attention sublayer's per-block plan (the triton and tlx backends'), beside profile_attention's runs.
     profile_attention_blocks) step profile_attention_blocks 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
-        --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn triton --model.net.fused_attention=true \
+        --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton --model.net.fused_attention=true \
         --model.net.attention_sublayer_plan=blocks --out "$OUT/profile_step_fused_attention_blocks_h200" ;;
     # What Lightning's deterministic switch (torch.use_deterministic_algorithms) costs the tlx step.
     profile_deterministic) step profile_deterministic 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
