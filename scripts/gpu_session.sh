@@ -20,6 +20,9 @@ GPU_DATA=(--config configs/gpu.yaml --data.data_dir=/tmp/data_cache)
 # The sharded path as the comparison's variant runs it: torchrec DMP, fbgemm's fused Adam on the tables.
 SHARDED_CONFIGS=(--config configs/sharded.yaml --config configs/sharded_adam.yaml)
 summary=()
+# Result files are named for the card that made them (h100, h200): a session asking for an H200 may get an H100.
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i 'h[0-9]00' | tr 'A-Z' 'a-z')
+GPU=${GPU:-gpu}
 ml1m_data() {  # unpacks the carried MovieLens-1M pack into the data cache once; fails when there is none
   mkdir -p /tmp/data_cache
   local pack; pack=$(ls /tmp/ml1m_raw.tar.xz .gpu-data/ml1m_raw.tar.xz 2>/dev/null | head -1)
@@ -38,11 +41,11 @@ for s in "$@"; do
     env) step env 120 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, triton.__file__); import triton.language.extra.tlx; print(\"tlx ok\")"; python3 -c "import torchrec, datasets, lightning, jsonargparse, fbgemm_gpu; print(\"torchrec\", torchrec.__version__, \"datasets\", datasets.__version__, \"lightning\", lightning.__version__, \"fbgemm_gpu\", fbgemm_gpu.__file__)"' ;;
     parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ${PARITY_K:+-k "$PARITY_K"} ;;
     smoke) step smoke_${SMOKE_ATTN:-tlx} 300 python3 train.py "${GPU_DATA[@]}" --attn=${SMOKE_ATTN:-tlx} --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
-    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_h200" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
-    profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_h200" ;;
+    bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_$GPU" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
+    profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_$GPU" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
     # Variant rows: each plan of the Triton kernels and launch settings around their defaults, in the same run.
-    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_h200" --profile \
+    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_$GPU" --profile \
         --variant triton_tiles triton '{"fwd": {"plan": "tiles"}, "bwd": {"plan": "tiles"}}' \
         --variant triton_gemms_bwd_n128 triton '{"bwd": {"block_n": 128}}' \
         --variant triton_gemms_bwd_m64_w4 triton '{"bwd": {"block_m": 64, "num_warps": 4}}' \
@@ -52,7 +55,7 @@ for s in "$@"; do
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.
-    attention_bench) step attention_bench 500 python3 -m benchmarks.bench_sublayer --sublayer attention --out "$OUT/attention_sublayer_h200" --profile \
+    attention_bench) step attention_bench 500 python3 -m benchmarks.bench_sublayer --sublayer attention --out "$OUT/attention_sublayer_$GPU" --profile \
         --variant triton_blocks triton '{"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}}' \
         --variant triton_blocks_fwd triton '{"fwd": {"plan": "blocks"}}' \
         --variant triton_blocks_bwd triton '{"bwd": {"plan": "blocks"}}' \
@@ -63,15 +66,15 @@ for s in "$@"; do
     profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
         step profile_${switch}_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
           --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.$switch=$fused \
-          --out "$OUT/profile_step_${switch}_${fused}_h200"
+          --out "$OUT/profile_step_${switch}_${fused}_$GPU"
       done ;;
     # The step with the fused attention sublayer's per-block plan (the triton and tlx backends'), beside profile_attention's runs.
     profile_attention_blocks) step profile_attention_blocks 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
         --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton --model.net.fused_attention=true \
-        --model.net.attention_sublayer_plan=blocks --out "$OUT/profile_step_fused_attention_blocks_h200" ;;
+        --model.net.attention_sublayer_plan=blocks --out "$OUT/profile_step_fused_attention_blocks_$GPU" ;;
     # What Lightning's deterministic switch (torch.use_deterministic_algorithms) costs the tlx step.
     profile_deterministic) step profile_deterministic 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
-        --data.num_val=2048 --warmup 12 --steps 6 --attn tlx --trainer.deterministic=true --out "$OUT/profile_step_deterministic_h200" ;;
+        --data.num_val=2048 --warmup 12 --steps 6 --attn tlx --trainer.deterministic=true --out "$OUT/profile_step_deterministic_$GPU" ;;
     # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx
     # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing);
     # each with the plain step and through torchrec's TrainPipelineSparseDist (sharding.pipeline).
@@ -79,13 +82,13 @@ for s in "$@"; do
       for variant in "" _table_wise; do for pipeline in "" _pipeline; do
         name=profile_sharded$variant$pipeline
         step $name 300 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" ${variant:+--sharding.sharding_type=table_wise} \
-          ${pipeline:+--sharding.pipeline=true} --out "$OUT/profile_step_sharded$variant${pipeline}_h200"
+          ${pipeline:+--sharding.pipeline=true} --out "$OUT/profile_step_sharded$variant${pipeline}_$GPU"
       done; done ;;
     # Which Python lines read CUDA tensors back (each a host wait), unsharded and sharded tlx, 40 steps each.
     trace_reads) TRACE=(--data.num_train=131072 --data.num_val=2048 --attn=tlx --trainer.max_steps=40 --trainer.val_check_interval=100000 --trainer.limit_val_batches=0 --runs_dir=/tmp/trace_runs)
       step trace_reads 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${TRACE[@]}"
       step trace_reads_sharded 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${SHARDED_CONFIGS[@]}" "${TRACE[@]}" ;;
-    profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_h200" ;;
+    profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_$GPU" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
       # .gpu/compare_h200_runs.tgz and the comparison reuses its finished runs, training only the rest

@@ -181,14 +181,7 @@ def test_attention_sublayer_parity(backend, num_heads, head_dim, dtypes, rotary)
     assert result.ok, result.summary()
 
 
-@pytest.mark.parametrize("rotary", ROTARY)
-@pytest.mark.parametrize("dtypes", MLP_DTYPES)
-@pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (2, 128), (2, 64), (1, 64)))
-@pytest.mark.parametrize("backend", ("triton", "tlx"))
-def test_attention_sublayer_parity_blocks_plan(backend, num_heads, head_dim, dtypes, rotary):
-    """The per-block kernels, both passes, as above: the triton backend's (kernels/attention_sublayer_blocks.py)
-    and the tlx backend's (kernels/attention_sublayer_tlx.py); also d_model 64 and 128, where the TLX kernels
-    run two consumers."""
+def _blocks_plan_parity(backend, num_heads, head_dim, dtypes, rotary, passes):
     from kernels.attention_sublayer_tlx import tlx_blocks_unsupported_reason
 
     x_dtype, compute_dtype = MLP_DTYPES[dtypes]
@@ -199,9 +192,28 @@ def test_attention_sublayer_parity_blocks_plan(backend, num_heads, head_dim, dty
         pytest.skip(f"the tlx 'blocks' kernels do not take {reason}")
     result = attention_sublayer_parity(backend, lengths=RAGGED, num_heads=num_heads, head_dim=head_dim,
                                        x_dtype=x_dtype, compute_dtype=compute_dtype, rotary=ROTARY[rotary],
-                                       device="cuda", launch={"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}})
+                                       device="cuda", launch={direction: {"plan": "blocks"} for direction in passes})
     print(result.summary())
     assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("rotary", ROTARY)
+@pytest.mark.parametrize("dtypes", MLP_DTYPES)
+@pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (2, 128), (2, 64), (1, 64), (1, 128)))
+@pytest.mark.parametrize("backend", ("triton", "tlx"))
+def test_attention_sublayer_parity_blocks_plan(backend, num_heads, head_dim, dtypes, rotary):
+    """The per-block kernels, both passes, as above: the triton backend's (kernels/attention_sublayer_blocks.py)
+    and the tlx backend's (kernels/attention_sublayer_tlx.py); also d_model 64 and 128 (in heads of 64 the
+    TLX kernels run two consumers)."""
+    _blocks_plan_parity(backend, num_heads, head_dim, dtypes, rotary, passes=("fwd", "bwd"))
+
+
+@pytest.mark.parametrize("num_heads,head_dim", ((4, 64), (1, 64)))
+@pytest.mark.parametrize("direction", ("fwd", "bwd"))
+def test_attention_sublayer_parity_blocks_plan_one_pass(direction, num_heads, head_dim):
+    """The tlx per-block kernel of one pass beside the gemms plan's other pass, which the plans' saved
+    tensors allow: when both passes fail together above, this says which kernel is wrong."""
+    _blocks_plan_parity("tlx", num_heads, head_dim, "bf16", "qk", passes=(direction,))
 
 
 @pytest.mark.parametrize("backend", ATTENTION_SUBLAYER_KERNELS)
