@@ -51,7 +51,7 @@ from .attention_sublayer_blocks import _softmax_scale, without_plan
 from .backend import launch_overrides
 from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
 from .blocks import BLOCK_SIZE
-from .sublayer_tlx import HAS_TLX
+from .sublayer_tlx import HAS_TLX, choose_ring
 
 if HAS_TLX:
     import triton
@@ -98,8 +98,8 @@ SUPPORTED_SHAPES = tuple((d, h) for d in (64, 128, 256) for h in (64, 128)
 
 
 def tlx_attention_sublayer_config(d_model: int, head_dim: int, knob_items: tuple = (), backward: bool = False) -> dict:
-    """Constexpr knobs of one direction: two consumers where a ring of at least two slots fits beside
-    them, else one; the deepest ring up to MAX_STAGES. `knob_items` (KNOBS) override them."""
+    """Constexpr knobs of one direction, as sublayer_tlx.choose_ring picks them; `knob_items` (KNOBS)
+    override them."""
     return dict(_cached_config(d_model, head_dim, knob_items, backward))  # a copy: callers may change it
 
 
@@ -112,25 +112,9 @@ def _cached_config(d_model: int, head_dim: int, knob_items: tuple, backward: boo
         raise ValueError(f"unknown attention_sublayer tlx 'blocks' {direction} launch settings {sorted(unknown)}; "
                          f"choose from {list(KNOBS)}")
 
-    def deepest(consumers: int) -> int:
-        if knobs.get("NUM_STAGES") is not None:
-            return knobs["NUM_STAGES"]
-        stages = 0
-        while stages < MAX_STAGES and _fits(d_model, head_dim, stages + 1, consumers, backward):
-            stages += 1
-        return stages
-
-    choices = [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]
-    consumers = next((c for c in choices if deepest(c) >= 2), choices[-1])
-    stages = deepest(consumers)
-    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
-    if consumers not in (1, 2) or stages < 1 or not _fits(d_model, head_dim, stages, consumers, backward):
-        raise ValueError(f"the tlx attention_sublayer 'blocks' {direction} at d_model {d_model}, head_dim {head_dim} "
-                         f"with {cfg} needs {smem_bytes(d_model, head_dim, stages, consumers, backward)} B of shared "
-                         f"memory (sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
-    # setmaxnreg budget: 64K registers per SM over the producer and consumer warpgroups.
-    cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
-    return cfg
+    return choose_ring(knobs, lambda stages, consumers: smem_bytes(d_model, head_dim, stages, consumers, backward),
+                       MAX_STAGES, f"the tlx attention_sublayer 'blocks' {direction} at d_model {d_model}, "
+                       f"head_dim {head_dim}")
 
 
 if HAS_TLX:

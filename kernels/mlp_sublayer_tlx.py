@@ -46,7 +46,8 @@ except ImportError:  # plain triton (no extra.tlx) or no triton at all: the back
 from .backend import launch_overrides
 from .mlp_dispatch import mlp_kernel_ops
 from .sublayer_dispatch import SublayerBackend
-from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
+from .block_attention_tlx import _num_sms
+from .sublayer_tlx import choose_ring
 
 SUPPORTED_D_MODELS = (64, 128, 256)
 SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.bfloat16)
@@ -77,9 +78,8 @@ def smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, backward: bool
 
 
 def tlx_mlp_config(d_model: int, knob_items: tuple = (), backward: bool = False) -> dict:
-    """Constexpr knobs of one direction: two consumers (one's elementwise work and stores run while
-    the other's wgmma does) with a ring of at least two slots where that fits in 227 KiB, else one
-    consumer; the deepest ring up to MAX_STAGES. `knob_items` (FWD_KNOBS / BWD_KNOBS) override them."""
+    """Constexpr knobs of one direction, as sublayer_tlx.choose_ring picks them; `knob_items` (FWD_KNOBS /
+    BWD_KNOBS) override them."""
     return dict(_cached_config(d_model, knob_items, backward))  # a copy: callers may change it
 
 
@@ -92,27 +92,12 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
         raise ValueError(f"unknown TLX mlp_sublayer {'bwd' if backward else 'fwd'} tuning knobs {sorted(unknown)}; "
                          f"choose from {allowed}")
 
-    def deepest(consumers: int) -> int:
-        if knobs.get("NUM_STAGES") is not None:
-            return knobs["NUM_STAGES"]
-        stages = 0
-        while stages < MAX_STAGES and smem_bytes(d_model, stages + 1, consumers, backward) + SMEM_SLACK <= SM90_MAX_SMEM:
-            stages += 1
-        return stages
-
-    choices = [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]
-    consumers = next((c for c in choices if deepest(c) >= 2), choices[0])
-    stages = deepest(consumers)
-    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
+    cfg = choose_ring(knobs, lambda stages, consumers: smem_bytes(d_model, stages, consumers, backward),
+                      MAX_STAGES, f"TLX mlp_sublayer {'bwd' if backward else 'fwd'} at d_model {d_model}")
     if backward:
         # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
         # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
         cfg["TRITON_BACKWARD"] = bool(knobs.get("TRITON_BACKWARD", True))
-    need = smem_bytes(d_model, stages, consumers, backward)
-    if consumers not in (1, 2) or stages < 1 or need + SMEM_SLACK > SM90_MAX_SMEM:
-        raise ValueError(f"TLX mlp_sublayer config {cfg} at d_model {d_model} needs {need} B of shared memory "
-                         f"(sm_90 allows {SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
-    cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
     return cfg
 
 

@@ -7,6 +7,41 @@ fit a consumer's registers next to the [64, D] accumulator. x has contiguous row
 with row_ok false load as zeros and are never stored.
 """
 
+from collections.abc import Callable
+
+from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK
+
+
+def choose_ring(knobs: dict, smem: Callable[[int, int], int], max_stages: int, what: str) -> dict:
+    """NUM_STAGES, NUM_CONSUMERS and CONSUMER_REGS of a kernel whose producer warpgroup streams weight
+    boxes through a ring of shared-memory slots to one or two consumer warpgroups: two consumers (one's
+    elementwise work and stores run while the other's wgmma does) where a ring of two slots fits beside
+    them, else one; the deepest ring up to max_stages. knobs' NUM_STAGES / NUM_CONSUMERS override the
+    choice; one that does not fit is a ValueError naming `what`. smem(stages, consumers) is the
+    program's shared memory in bytes."""
+    def fits(stages: int, consumers: int) -> bool:
+        return smem(stages, consumers) + SMEM_SLACK <= SM90_MAX_SMEM
+
+    def deepest(consumers: int) -> int:
+        if knobs.get("NUM_STAGES") is not None:
+            return knobs["NUM_STAGES"]
+        stages = 0
+        while stages < max_stages and fits(stages + 1, consumers):
+            stages += 1
+        return stages
+
+    choices = [knobs["NUM_CONSUMERS"]] if "NUM_CONSUMERS" in knobs else [2, 1]
+    consumers = next((c for c in choices if deepest(c) >= 2), choices[-1])
+    stages = deepest(consumers)
+    cfg = dict(NUM_STAGES=stages, NUM_CONSUMERS=consumers)
+    if consumers not in (1, 2) or stages < 1 or not fits(stages, consumers):
+        raise ValueError(f"{what} with {cfg} needs {smem(stages, consumers)} B of shared memory (sm_90 allows "
+                         f"{SM90_MAX_SMEM}) or is not 1-2 consumers and >= 1 stage")
+    # setmaxnreg budget: 64K registers per SM over the producer and consumer warpgroups.
+    cfg["CONSUMER_REGS"] = 232 if consumers == 2 else 240
+    return cfg
+
+
 try:
     import triton
     import triton.language as tl
