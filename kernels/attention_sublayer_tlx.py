@@ -49,7 +49,7 @@ import torch
 
 from .attention_sublayer_blocks import _softmax_scale, without_plan
 from .backend import launch_overrides
-from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK, _num_sms
+from .block_attention_tlx import _num_sms, fits_sm90
 from .blocks import BLOCK_SIZE
 from .sublayer_tlx import HAS_TLX, choose_ring
 
@@ -89,7 +89,7 @@ def smem_bytes(d_model: int, head_dim: int, NUM_STAGES: int, NUM_CONSUMERS: int,
 
 
 def _fits(d_model: int, head_dim: int, stages: int, consumers: int, backward: bool) -> bool:
-    return smem_bytes(d_model, head_dim, stages, consumers, backward) + SMEM_SLACK <= SM90_MAX_SMEM
+    return fits_sm90(smem_bytes(d_model, head_dim, stages, consumers, backward))
 
 
 # (d_model, head_dim) pairs whose one-consumer programs with two-slot rings fit in shared memory, both ways.

@@ -57,6 +57,13 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SM90_MAX_SMEM = 232448
 # Left free for what the compiler adds beyond our buffers (mbarriers, alignment padding).
 SMEM_SLACK = 1024
+
+
+def fits_sm90(nbytes: int) -> bool:
+    """Whether a program modelled at nbytes of shared memory fits an sm_90 block, with SMEM_SLACK kept free."""
+    return nbytes + SMEM_SLACK <= SM90_MAX_SMEM
+
+
 # More slots than this stop helping: 8 items in flight per SM already cover HBM latency.
 MAX_STAGES = 8
 
@@ -138,7 +145,7 @@ def _cached_config(head_dim: int, rotary: bool, backward: bool, knob_items: tupl
     knobs = dict(knob_items)
 
     def fits(stages: int, consumers: int, layout: dict) -> bool:
-        return smem_bytes(head_dim, rotary, backward, stages, consumers, **layout) + SMEM_SLACK <= SM90_MAX_SMEM
+        return fits_sm90(smem_bytes(head_dim, rotary, backward, stages, consumers, **layout))
 
     def deepest_ring(consumers: int, layout: dict) -> int:
         # The deepest fitting ring, 0 if not even one slot per consumer fits, or the one asked for.

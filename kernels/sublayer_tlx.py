@@ -9,7 +9,7 @@ with row_ok false load as zeros and are never stored.
 
 from collections.abc import Callable
 
-from .block_attention_tlx import SM90_MAX_SMEM, SMEM_SLACK
+from .block_attention_tlx import SM90_MAX_SMEM, fits_sm90
 
 
 def choose_ring(knobs: dict, smem: Callable[[int, int], int], max_stages: int, what: str) -> dict:
@@ -20,7 +20,7 @@ def choose_ring(knobs: dict, smem: Callable[[int, int], int], max_stages: int, w
     choice; one that does not fit is a ValueError naming `what`. smem(stages, consumers) is the
     program's shared memory in bytes."""
     def fits(stages: int, consumers: int) -> bool:
-        return smem(stages, consumers) + SMEM_SLACK <= SM90_MAX_SMEM
+        return fits_sm90(smem(stages, consumers))
 
     def deepest(consumers: int) -> int:
         if knobs.get("NUM_STAGES") is not None:
