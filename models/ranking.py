@@ -99,6 +99,12 @@ class RankingModelConfig:
             vectors N(0, 0.02) and zero biases: the value's share starts ~2700x larger (4.9% against
             0.0018%, measured at those sizes), and the LayerNorms that read the token scale it up (the
             baselines add no constant to their embeddings).
+        history_order: the order of a sample's history items among its tokens. "given", the data's
+            order; "reversed", last item first. A sample's first 64-token block holds its fixed tokens
+            (the candidate's among them) and its first ~(64 - n_fixed) items, and only that block's
+            items meet the candidate in attention; the data gives histories oldest first
+            (data/movielens.py), so "reversed" puts the user's latest items there instead of the
+            oldest. Rotary positions follow the placement.
     """
 
     d_model: int = 64
@@ -120,6 +126,7 @@ class RankingModelConfig:
     readout: Literal["mean", "fields", "fields_dot"] = "mean"
     field_projection: Literal["shared", "per_field"] = "shared"
     token_init: Literal["unit_slots", "small_slots"] = "unit_slots"
+    history_order: Literal["given", "reversed"] = "given"
 
     def __post_init__(self):
         check_choices(self)
@@ -271,7 +278,8 @@ class DenseTower(nn.Module):
                      history_lengths: torch.Tensor) -> JaggedTokens:
         """Sample b's tokens start at offsets[b]: its fixed tokens (dense, then one per categorical)
         first, then each sequence feature's items, so history item i of feature f in sample b goes to
-        offsets[b] + n_fixed + (items of b's earlier features) + i. The zero rows after the items
+        offsets[b] + n_fixed + (items of b's earlier features) + i, or + (n - 1 - i) in a list of n
+        items under history_order "reversed". The zero rows after the items
         become the pad tokens, one extra sequence at the end. Only tensor ops of static shapes, with
         no value read back to the host."""
         batch_size, num_rows, d = dense.shape[0], history.shape[0], self.config.d_model
@@ -297,6 +305,8 @@ class DenseTower(nn.Module):
             list_of_row = list_of_row.clamp(max=per_list.numel() - 1)
             items_before = (torch.cumsum(lengths, 0) - lengths).reshape(-1)  # of the sample's earlier features
             index_in_list = rows - (list_end - per_list)[list_of_row]
+            if self.config.history_order == "reversed":
+                index_in_list = per_list[list_of_row] - 1 - index_in_list
             destination = starts[list_of_row % batch_size] + n_fixed + items_before[list_of_row] + index_in_list
             feature = list_of_row // batch_size
         else:  # every row is a pad row

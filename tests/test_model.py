@@ -71,15 +71,19 @@ def expected_tokens(model: RankingModel, batch: Batch) -> list[torch.Tensor]:
         for slot_index, name in enumerate(("clicks", "views"), start=FIXED_TOKENS):
             jagged = batch.sequence[name]
             ids = jagged.values()[jagged.offsets()[b]: jagged.offsets()[b + 1]]
+            if model.config.history_order == "reversed":
+                ids = ids.flip(0)
             rows.extend(tower.embedding_proj(sequence_tables[f"t_{name}"].weight[i]) + slot[slot_index] for i in ids)
         samples.append(torch.stack(rows))
     return samples
 
 
-@pytest.mark.parametrize("field_projection", ["shared", "per_field"])
-def test_tokens_and_offsets_follow_the_layout(field_projection):
+@pytest.mark.parametrize("field_projection, history_order", [("shared", "given"), ("per_field", "given"),
+                                                             ("shared", "reversed")])
+def test_tokens_and_offsets_follow_the_layout(field_projection, history_order):
     torch.manual_seed(0)
-    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, field_projection=field_projection))
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, field_projection=field_projection,
+                                                     history_order=history_order))
     # 0 and 70 history items: an empty history, and one that spills into a second 64-token block.
     batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
     tokens = model.build_tokens(batch)
