@@ -152,6 +152,22 @@ def test_unavailable_backend_fails_fast_with_clean_message(tmp_path):
     assert not (tmp_path / "cache").exists()  # failed before preparing any data
 
 
+@pytest.mark.parametrize("steps, source", [(5, "the final weights"), (20, "the last validation of fit")])
+def test_baseline_report_works_with_or_without_a_validation_during_fit(tmp_path, steps, source):
+    """--baseline compares the model's validation AUC with logistic regression's: a run too short to
+    validate (max_steps below val_check_interval) validates its final weights for it."""
+    result = run_train("--config", "configs/tiny.yaml", "--baseline=true", f"--trainer.max_steps={steps}",
+                       f"--runs_dir={tmp_path}/runs", f"--data.data_dir={tmp_path}/cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_folder = tmp_path / "runs" / "tiny" / "version_0"
+    report = json.loads((run_folder / "baseline.json").read_text())
+    assert report["model_val_auc_from"].startswith(source)
+    assert 0.0 < report["model_val_auc"] < 1.0 and 0.0 < report["logistic_regression_val_auc"] < 1.0
+    if steps == 20:  # the last validation's AUC, as logged
+        assert report["model_val_auc"] == pytest.approx(column(read_metrics(run_folder), "val/auc")[-1])
+    assert "run folder:" in result.stdout  # the rest of the run's report still came
+
+
 def test_help_lists_every_config_key():
     result = run_train("--help", timeout=120)
     assert result.returncode == 0
