@@ -4,7 +4,7 @@
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
 # Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
-# compare_wait, sharded, quality_start, history_start, quality_wait.
+# compare_wait, sharded, quality_start, history_start, history_order_start, quality_wait, host_c_cache.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
 # for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
@@ -62,6 +62,15 @@ for s in "$@"; do
         --variant tlx_blocks tlx '{"fwd": {"plan": "blocks"}, "bwd": {"plan": "blocks"}}' \
         --variant tlx_blocks_fwd tlx '{"fwd": {"plan": "blocks"}}' \
         --variant tlx_blocks_bwd tlx '{"bwd": {"plan": "blocks"}}' ;;
+    # Host cost of eager calls (issue 22): fbtriton's opt-in C launch path (TRITON_ENABLE_C_CACHE: the kernel lookup
+    # in C, read when a kernel is defined; TRITON_USE_C_DISPATCHER: the launch in C) against Triton's Python one,
+    # on both sublayers' eager and graph times, back to back; then the parity tests under the C path.
+    host_c_cache) for sublayer in attention mlp; do for c in 0 1; do
+        step ${sublayer}_c_cache_$c 300 env TRITON_ENABLE_C_CACHE=$c TRITON_USE_C_DISPATCHER=$c python3 -m benchmarks.bench_sublayer \
+          --sublayer $sublayer --impls unfused_compiled triton tlx --out "$OUT/${sublayer}_sublayer_c_cache_${c}_$GPU"
+      done; done
+      step parity_c_cache 420 env TRITON_ENABLE_C_CACHE=1 TRITON_USE_C_DISPATCHER=1 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_gpu_parity.py -k "${PARITY_K:-not blocks_plan}" ;;
     # The step with and without one fused sublayer (model.net.fused_mlp, model.net.fused_attention), back to back on one machine.
     profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
         step profile_${switch}_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
@@ -141,6 +150,17 @@ for s in "$@"; do
               --steps ${HISTORY_STEPS:-1563} --seeds 3 --jobs 6 --out /tmp/quality/$protocol
           done' > /tmp/quality.log 2>&1 < /dev/null &
         summary+=("history_start: started, log /tmp/quality.log")
+      fi ;;
+    history_order_start)  # the time split with history, ours with its history as given (oldest first) and reversed
+      # (model.net.history_order), 3 seeds each, 6 runs at a time, at history_start's settings; waited for by quality_wait.
+      if ! ml1m_data; then
+        summary+=("history_order_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")
+      else
+        setsid nohup python3 train.py compare --attn ${QUALITY_ATTN:-triton} --config configs/movielens1m.yaml \
+          --data.protocol=time_split_history --data.max_history_len=256 --data.data_dir=/tmp/data_cache --data.num_workers=2 \
+          --variant reversed ${QUALITY_ATTN:-triton} model.net.history_order=reversed \
+          --steps ${HISTORY_STEPS:-1563} --seeds 3 --jobs 6 --out /tmp/quality/history_order > /tmp/quality.log 2>&1 < /dev/null &
+        summary+=("history_order_start: started, log /tmp/quality.log")
       fi ;;
     quality_wait) for _ in $(seq $(( ${QUALITY_WAIT_S:-570} / 5 ))); do pgrep -f "benchmarks.quality tune|--out /tmp/quality/" > /dev/null || break; sleep 5; done
       cp /tmp/quality.log "$OUT"/quality.log
