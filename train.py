@@ -393,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
                            "description": __doc__.split("\n\n")[0]},
         )
     except (ValueError, MisconfigurationException) as error:  # a model/data/trainer setting rejected
+        if "No supported gpu backend found" in str(error):  # Lightning's words for accelerator "gpu" without one
+            error = ("trainer.accelerator is 'gpu' (configs/gpu.yaml sets it) but this machine has no CUDA GPU: "
+                     "leave that config out, or pass --trainer.accelerator=cpu")
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     trainer, task, datamodule = cli.trainer, cli.model, cli.datamodule

@@ -189,6 +189,9 @@ def test_help_lists_every_config_key():
         (["--model.net.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
         (["--model.schema.dense=[]"], "schema"),
         (["--attn=cuda"], "cuda"),
+        pytest.param(["--config", "configs/gpu.yaml"],
+                     "trainer.accelerator is 'gpu' (configs/gpu.yaml sets it) but this machine has no CUDA GPU",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     ],
 )
 def test_bad_arguments_give_a_clear_error(args, message):
