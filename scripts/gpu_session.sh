@@ -4,13 +4,13 @@
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
 # Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
-# compare_wait, sharded, quality_start, history_start, history_order_start, quality_wait, host_c_cache.
+# compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
 # for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
 # quality_start / quality_wait do the same for issue 23's tuning (benchmarks/quality.py tune) on MovieLens-1M,
 # whose raw files come from scripts/pack_ml1m.sh's pack, carried into /tmp by a call of its own (see that script);
-# history_start, waited for by quality_wait too, trains the time split with and without history (no tuning).
+# history_start, waited for by quality_wait too, trains the time split's comparisons (scripts/time_split_compare.sh; no tuning).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 # In-process inductor compiles: its compile subprocesses failed under fbtriton on torch 2.11 (first H200 run).
@@ -64,12 +64,12 @@ for s in "$@"; do
         --variant tlx_blocks_bwd tlx '{"bwd": {"plan": "blocks"}}' ;;
     # Host cost of eager calls (issue 22): fbtriton's opt-in C launch path (TRITON_ENABLE_C_CACHE: the kernel lookup
     # in C, read when a kernel is defined; TRITON_USE_C_DISPATCHER: the launch in C) against Triton's Python one,
-    # on both sublayers' eager and graph times, back to back; then the parity tests under the C path.
+    # on both sublayers' eager and graph times, back to back; parity_c_cache: the parity tests under the C path.
     host_c_cache) for sublayer in attention mlp; do for c in 0 1; do
         step ${sublayer}_c_cache_$c 300 env TRITON_ENABLE_C_CACHE=$c TRITON_USE_C_DISPATCHER=$c python3 -m benchmarks.bench_sublayer \
           --sublayer $sublayer --impls unfused_compiled triton tlx --out "$OUT/${sublayer}_sublayer_c_cache_${c}_$GPU"
-      done; done
-      step parity_c_cache 420 env TRITON_ENABLE_C_CACHE=1 TRITON_USE_C_DISPATCHER=1 python3 -m pytest -m gpu -q -p no:cacheprovider \
+      done; done ;;
+    parity_c_cache) step parity_c_cache 420 env TRITON_ENABLE_C_CACHE=1 TRITON_USE_C_DISPATCHER=1 python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/test_gpu_parity.py -k "${PARITY_K:-not blocks_plan}" ;;
     # The step with and without one fused sublayer (model.net.fused_mlp, model.net.fused_attention), back to back on one machine.
     profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
@@ -130,44 +130,22 @@ for s in "$@"; do
           done' > /tmp/quality.log 2>&1 < /dev/null &
         summary+=("quality_start: started, log /tmp/quality.log")
       fi ;;
-    history_start)  # issue 23's time split (time_split_history, then time_split_no_history: the same samples without
-      # the history feature), one comparison each: every model at the point its RecBole ML-1M tuning chose
-      # (benchmarks/results/quality_ml1m.md; ours from quality_ml1m_retune.md, configs/movielens1m.yaml's), so every
-      # model had the same budget, spent on the other protocol; 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of
-      # the 800,164 training rows), 6 runs at a time. Resumes from a carried .gpu/quality_runs.tgz as quality_start.
+    history_start)  # issue 23's time split: scripts/time_split_compare.sh's comparisons HISTORY_RUNS (default
+      # "with_history without_history"; history_order too), one after another in the background, waited for by
+      # quality_wait. Resumes from a carried .gpu/quality_runs.tgz as quality_start.
       [[ -f .gpu/quality_runs.tgz && ! -d /tmp/quality ]] && tar xzf .gpu/quality_runs.tgz -C /tmp
       if ! ml1m_data; then
         summary+=("history_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")
       else
-        setsid nohup bash -c 'for history in 256 0; do
-            protocol=$([[ $history == 0 ]] && echo time_split_no_history || echo time_split_history)
-            python3 train.py compare --attn ${QUALITY_ATTN:-triton} --config configs/movielens1m.yaml \
-              --data.protocol=time_split_history --data.max_history_len=$history --data.data_dir=/tmp/data_cache \
-              --data.num_workers=2 --variant lr ${QUALITY_ATTN:-triton} configs/lr.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01 \
-              --variant dlrm ${QUALITY_ATTN:-triton} configs/dlrm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1 \
-              --variant dcnv2 ${QUALITY_ATTN:-triton} configs/dcnv2.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01 \
-              --variant deepfm ${QUALITY_ATTN:-triton} configs/deepfm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1 \
-              --steps ${HISTORY_STEPS:-1563} --seeds 3 --jobs 6 --out /tmp/quality/$protocol
-          done' > /tmp/quality.log 2>&1 < /dev/null &
-        summary+=("history_start: started, log /tmp/quality.log")
+        setsid nohup bash scripts/time_split_compare.sh ${HISTORY_RUNS:-with_history without_history} > /tmp/quality.log 2>&1 < /dev/null &
+        summary+=("history_start: started ${HISTORY_RUNS:-with_history without_history}, log /tmp/quality.log")
       fi ;;
-    history_order_start)  # the time split with history, ours with its history as given (oldest first) and reversed
-      # (model.net.history_order), 3 seeds each, 6 runs at a time, at history_start's settings; waited for by quality_wait.
-      if ! ml1m_data; then
-        summary+=("history_order_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")
-      else
-        setsid nohup python3 train.py compare --attn ${QUALITY_ATTN:-triton} --config configs/movielens1m.yaml \
-          --data.protocol=time_split_history --data.max_history_len=256 --data.data_dir=/tmp/data_cache --data.num_workers=2 \
-          --variant reversed ${QUALITY_ATTN:-triton} model.net.history_order=reversed \
-          --steps ${HISTORY_STEPS:-1563} --seeds 3 --jobs 6 --out /tmp/quality/history_order > /tmp/quality.log 2>&1 < /dev/null &
-        summary+=("history_order_start: started, log /tmp/quality.log")
-      fi ;;
-    quality_wait) for _ in $(seq $(( ${QUALITY_WAIT_S:-570} / 5 ))); do pgrep -f "benchmarks.quality tune|--out /tmp/quality/" > /dev/null || break; sleep 5; done
+    quality_wait) for _ in $(seq $(( ${QUALITY_WAIT_S:-570} / 5 ))); do pgrep -f "benchmarks.quality tune|time_split_compare.sh|--out /tmp/quality/" > /dev/null || break; sleep 5; done
       cp /tmp/quality.log "$OUT"/quality.log
       # Every tuning folder without checkpoints: `python -m benchmarks.quality --protocol NAME=FOLDER ...` reports from it
       # here, and a tuning cut short resumes from it (carried back as .gpu/quality_runs.tgz).
       tar czf "$OUT"/quality_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp quality 2>/dev/null
-      summary+=("quality_wait: $(pgrep -f 'benchmarks.quality tune|--out /tmp/quality/' > /dev/null && echo still running || echo finished) :: $(grep -E 'ok in|FAILED|error' /tmp/quality.log | tail -2 | tr '\n' ' ')") ;;
+      summary+=("quality_wait: $(pgrep -f 'benchmarks.quality tune|time_split_compare.sh|--out /tmp/quality/' > /dev/null && echo still running || echo finished) :: $(grep -E 'ok in|FAILED|error' /tmp/quality.log | tail -2 | tr '\n' ' ')") ;;
     sharded) step sharded 580 python3 -m torch.distributed.run --standalone --nproc-per-node 1 train.py "${GPU_DATA[@]}" --config configs/sharded.yaml --trainer.devices=1 --runs_dir=/tmp/runs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

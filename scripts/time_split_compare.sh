@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 23's MovieLens-1M time split: one `train.py compare` per name given, one after another, each into
+# /tmp/quality/<folder> (gpu_session.sh history_start starts this in the background; quality_wait waits):
+#   with_history     every model with the history feature (folder time_split_history)
+#   without_history  the same samples without it (time_split_no_history)
+#   history_order    ours with its history as given (oldest first) and reversed, model.net.history_order (history_order)
+# Every model trains at the point its RecBole ML-1M tuning chose (benchmarks/results/quality_ml1m.md; ours from
+# quality_ml1m_retune.md, configs/movielens1m.yaml's), so each had the same budget, spent on the other protocol;
+# 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of the 800,164 training rows), 6 runs at a time. Block attention
+# runs on QUALITY_ATTN (default triton): the MovieLens configs train in fp32, and the TLX kernels take bf16/fp16 only.
+set -uo pipefail
+attn=${QUALITY_ATTN:-triton}
+common=(--attn "$attn" --config configs/movielens1m.yaml --data.protocol=time_split_history --data.data_dir=/tmp/data_cache
+        --data.num_workers=2 --steps "${HISTORY_STEPS:-1563}" --seeds 3 --jobs 6)
+baselines=(--variant lr "$attn" configs/lr.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01
+           --variant dlrm "$attn" configs/dlrm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1
+           --variant dcnv2 "$attn" configs/dcnv2.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01
+           --variant deepfm "$attn" configs/deepfm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1)
+status=0
+for name in "$@"; do
+  case $name in
+    with_history) args=(--data.max_history_len=256 "${baselines[@]}" --out /tmp/quality/time_split_history) ;;
+    without_history) args=(--data.max_history_len=0 "${baselines[@]}" --out /tmp/quality/time_split_no_history) ;;
+    history_order) args=(--data.max_history_len=256 --variant reversed "$attn" model.net.history_order=reversed
+                         --out /tmp/quality/history_order) ;;
+    *) echo "unknown comparison '$name': with_history, without_history or history_order" >&2; exit 2 ;;
+  esac
+  echo "== $name"
+  python3 train.py compare "${common[@]}" "${args[@]}" || status=1
+done
+exit $status
