@@ -14,7 +14,18 @@ Each run writes runs/<run_name>/version_N/: config.yaml (the resolved config), m
 TensorBoard events and checkpoints/. A resumed run continues in its checkpoint's folder.
 """
 
-import json
+import os
+
+# fbtriton's C launch path (the kernel lookup and the launch in C, not Python): called eagerly, the fused
+# attention sublayer's forward+backward took 1.03x its CUDA-graph time with it and 1.42x without (H100,
+# benchmarks/results/host_c_cache_h100.md), and the GPU parity tests pass under it. fbtriton reads the first
+# name when a kernel is defined, so both are set before anything imports the kernels; a value already in the
+# environment wins (0 turns the path off), and other Triton builds ignore both names.
+C_LAUNCH_ENVIRONMENT = {"TRITON_ENABLE_C_CACHE": "1", "TRITON_USE_C_DISPATCHER": "1"}
+for _name, _value in C_LAUNCH_ENVIRONMENT.items():
+    os.environ.setdefault(_name, _value)
+
+import json  # noqa: E402 (the environment above must come first)
 import math
 import signal
 import sys

@@ -5,6 +5,7 @@ reasons, and the device and software versions a report names."""
 import gc
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import statistics
 import time
@@ -109,4 +110,6 @@ def versions() -> dict:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
+    # Triton's switches change what is timed (fbtriton's C launch path, the interpreter): a result names them.
+    found["triton_environment"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith("TRITON_")}
     return found

@@ -3,6 +3,7 @@ mask, markdown rendering, and one tiny end-to-end run checked against the JSON s
 
 import json
 import math
+import os
 import warnings
 
 import pytest
@@ -162,6 +163,7 @@ def test_cpu_run_writes_schema_conformant_json_and_markdown(tmp_path):
     report = json.loads((tmp_path / "attention_cpu.json").read_text())
     assert {"device", "versions", "date", "command", "copy_bw_tbps", "rows"} <= set(report)
     assert {"torch", "triton", "cuda", "python"} <= set(report["versions"])
+    assert report["versions"]["triton_environment"] == {k: v for k, v in os.environ.items() if k.startswith("TRITON_")}
     assert report["copy_bw_tbps"] > 0
     rows = report["rows"]
     # 5 impls x 2 rotary + the rotary-only impl once, x 3 passes, x 2 shapes.

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import re
 import signal
 import statistics
@@ -166,6 +167,28 @@ def test_baseline_report_works_with_or_without_a_validation_during_fit(tmp_path,
     if steps == 20:  # the last validation's AUC, as logged
         assert report["model_val_auc"] == pytest.approx(column(read_metrics(run_folder), "val/auc")[-1])
     assert "run folder:" in result.stdout  # the rest of the run's report still came
+
+
+def test_c_launch_environment_is_set_before_the_kernels_are_imported_and_a_users_value_wins():
+    """fbtriton reads TRITON_ENABLE_C_CACHE when a kernel is defined: what matters is its value at the moment
+    `kernels` is first imported, recorded here by an import hook."""
+    probe = """
+import importlib.abc, json, os, sys
+seen = {}
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "kernels" and not seen:
+            seen.update({key: os.environ.get(key) for key in ("TRITON_ENABLE_C_CACHE", "TRITON_USE_C_DISPATCHER")})
+sys.meta_path.insert(0, Spy())
+import train
+print(json.dumps(seen))
+"""
+    environment = {k: v for k, v in os.environ.items() if k not in train.C_LAUNCH_ENVIRONMENT}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**environment, "TRITON_ENABLE_C_CACHE": "0"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"TRITON_ENABLE_C_CACHE": "0",
+                                                                  "TRITON_USE_C_DISPATCHER": "1"}
 
 
 def test_help_lists_every_config_key():
