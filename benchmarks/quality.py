@@ -32,6 +32,9 @@ architecture):
         --not-run time_split_no_history=REASON \
         --notes benchmarks/results/quality_ml1m_notes.md --out benchmarks/results/quality_ml1m
 
+A --protocol given as an earlier report's JSON (NAME=benchmarks/results/quality_ml1m.json) keeps that report's
+entry for NAME as it is: the way to add one protocol's new runs when the others' folders are gone.
+
 writes <out>.json ({"protocols": {name: {"models": {arch: {"test_auc": {"mean", "std", "per_seed": [...],
 "seeds": [...]}, "test_logloss": {...}, "chosen": {...}}}, "tuning": {...}, ...}}}) and <out>.md. Only what
 the folders hold is reported; a protocol with no folder is kept with its models empty and the reason
@@ -321,8 +324,22 @@ def history_gain(protocols: dict) -> dict:
                     for metric in ("test_auc", "test_logloss")} for model in paired}
 
 
+def earlier_entry(report: Path, name: str) -> dict:
+    """A protocol's entry as an earlier report (its OUT.json) holds it, so a report regenerated from new
+    folders keeps the protocols whose run folders are on another machine."""
+    try:
+        entry = json.loads(report.read_text()).get("protocols", {}).get(name)
+    except json.JSONDecodeError as error:
+        raise CompareError(f"{report}: not a report's JSON ({error})") from None
+    if not (entry or {}).get("models"):
+        raise CompareError(f"{report} holds no runs of protocol {name!r}: give its run folder, or --not-run")
+    return entry
+
+
 def build(folders: dict[str, Path], not_run: dict[str, str]) -> dict:
-    protocols = {name: protocol_entry(folders[name]) if name in folders
+    """folders: per protocol, a tune or comparison folder, or an earlier report's .json file."""
+    protocols = {name: (earlier_entry(folders[name], name) if folders[name].suffix == ".json"
+                        else protocol_entry(folders[name])) if name in folders
                  else {"models": {}, "not_run": not_run.get(name, "no comparison folder was given")}
                  for name in PROTOCOLS}  # fmt: skip
     return {
@@ -496,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0],
                                      epilog="`python -m benchmarks.quality tune --help`: the tuning.")
     parser.add_argument("--protocol", action="append", default=[], metavar="NAME=FOLDER", required=True,
-                        help=f"a tune or comparison folder and the protocol its runs trained on ({', '.join(PROTOCOLS)})")
+                        help=f"a tune or comparison folder and the protocol its runs trained on ({', '.join(PROTOCOLS)}), "
+                             "or an earlier report's OUT.json, whose entry for that protocol is kept as it is")
     parser.add_argument("--not-run", action="append", default=[], metavar="NAME=REASON",
                         help="a protocol that was not run, and why")
     parser.add_argument("--notes", type=Path, help="a markdown file appended to OUT.md")

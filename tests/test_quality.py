@@ -128,7 +128,7 @@ def test_block_attentions_size_is_chosen_first_and_its_grid_runs_at_that_size(tm
     assert "block_attention's size was chosen the same way among 2 candidates" in (tmp_path / "quality.md").read_text()
 
 
-def test_the_time_split_tunes_with_and_without_history_and_the_report_gives_the_difference(tmp_path):
+def test_the_time_split_tunes_with_and_without_history_and_the_report_gives_the_difference(tmp_path, capsys):
     """Both time-split protocols through `tune` on the fixture (4 steps, one seed): each run trained on
     its own data (history or none), was tested on the time split's test part, and the report pairs
     each model's test scores with history against those without."""
@@ -154,6 +154,15 @@ def test_the_time_split_tunes_with_and_without_history_and_the_report_gives_the_
             assert gain[metric]["per_seed"] == [with_history - without] and gain[metric]["seeds"] == [0]
     assert "## What the history tokens add: time_split_history minus time_split_no_history" in (
         tmp_path / "quality.md").read_text()
+
+    # A report regenerated with one protocol taken from the earlier report's JSON keeps its entry as it was.
+    earlier = tmp_path / "quality.json"
+    assert quality_main(["--protocol", f"time_split_history={earlier}", "--protocol",
+                         f"time_split_no_history={outs['time_split_no_history']}", "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["protocols"] == protocols and again["history_gain"] == report["history_gain"]
+    assert quality_main(["--protocol", f"recbole_ml1m_context={earlier}", "--out", str(tmp_path / "bad")]) == 2
+    assert "holds no runs of protocol 'recbole_ml1m_context'" in capsys.readouterr().err
 
 
 def test_a_tie_goes_to_the_earlier_point_and_a_failed_trial_is_skipped():
