@@ -29,13 +29,21 @@ ADAMW_BYTES_PER_PARAM = 40
 
 
 def fixed_token_count(config: RankingModelConfig, schema: FeatureSchema) -> int:
-    """Tokens every sample has: the dense tokens and one per categorical feature."""
-    return config.n_dense_tokens + len(schema.categorical)
+    """Tokens every sample has: the dense tokens, one per categorical feature, and under history_tokens
+    "mean" one per sequence feature."""
+    pooled_history = len(schema.sequence) if config.history_tokens == "mean" else 0
+    return config.n_dense_tokens + len(schema.categorical) + pooled_history
+
+
+def item_token_counts(config: RankingModelConfig, history_lengths: np.ndarray) -> np.ndarray:
+    """Each sample's history item tokens: its history length, or none where the history is pooled."""
+    lengths = np.asarray(history_lengths, dtype=np.int64)
+    return lengths if config.history_tokens == "items" else np.zeros_like(lengths)
 
 
 def sample_token_counts(config: RankingModelConfig, schema: FeatureSchema, history_lengths: np.ndarray) -> np.ndarray:
-    """Tokens of each sample: the fixed ones plus its history."""
-    return fixed_token_count(config, schema) + np.asarray(history_lengths, dtype=np.int64)
+    """Tokens of each sample: the fixed ones plus its history's item tokens."""
+    return fixed_token_count(config, schema) + item_token_counts(config, history_lengths)
 
 
 def block_length_square_sum(token_counts: np.ndarray) -> int:
@@ -49,10 +57,11 @@ def forward_flops(config: RankingModelConfig, schema: FeatureSchema, history_len
     d, e, hidden = config.d_model, config.embedding_dim, config.mlp_ratio * config.d_model
     batch_size = len(history_lengths)
     tokens = sample_token_counts(config, schema, history_lengths)
-    num_tokens, history_items = int(tokens.sum()), int(np.sum(history_lengths))
+    num_tokens, item_tokens = int(tokens.sum()), int(item_token_counts(config, history_lengths).sum())
     dense_in = max(len(schema.dense), 1)
     dense_mlp = 2 * batch_size * (dense_in * hidden + hidden * config.n_dense_tokens * d)
-    embedding_proj = 2 * (batch_size * len(schema.categorical) + history_items) * e * d
+    # Every token but the dense ones is an embedding projected to d_model.
+    embedding_proj = 2 * (batch_size * (fixed_token_count(config, schema) - config.n_dense_tokens) + item_tokens) * e * d
     # Per layer: qkv (d -> 3d), out projection (d -> d), MLP (d -> hidden -> d).
     projections = 2 * num_tokens * d * (3 * d + d + 2 * hidden)
     attention = 4 * d * block_length_square_sum(tokens)

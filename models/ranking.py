@@ -6,7 +6,8 @@ Every sample becomes one jagged sequence of d_model tokens, in this order:
 
 The first two groups have a fixed size per sample (the "fixed" tokens); history
 items come from each sequence feature in schema order, so a sample's length is
-n_fixed + sum of its history lengths. All samples are concatenated into a
+n_fixed + sum of its history lengths. Under history_tokens "mean" each sequence
+feature is one more fixed token instead, the mean of its items' embeddings. All samples are concatenated into a
 (total_tokens, d_model) tensor described by int32 `offsets`, which is the layout
 block_attention consumes: each sequence is cut into 64-token blocks from its
 start and a token only attends within its block. One more sequence follows the
@@ -29,6 +30,7 @@ from torchrec import (
     EmbeddingCollection,
     EmbeddingConfig,
     KeyedJaggedTensor,
+    PoolingType,
 )
 
 from data.batch import Batch
@@ -105,6 +107,11 @@ class RankingModelConfig:
             items meet the candidate in attention; the data gives histories oldest first
             (data/movielens.py), so "reversed" puts the user's latest items there instead of the
             oldest. Rotary positions follow the placement.
+        history_tokens: how a sequence feature (a user's history) becomes tokens. "items", one token per
+            item, in the sample's blocks after its fixed tokens; "mean", one fixed token per feature,
+            the mean of its items' embeddings (torchrec's mean-pooled lookup, as the baselines read a
+            history; an empty history gives a zero embedding), so every sample is its fixed tokens
+            alone, the history's summary in the candidate's block.
     """
 
     d_model: int = 64
@@ -127,6 +134,7 @@ class RankingModelConfig:
     field_projection: Literal["shared", "per_field"] = "shared"
     token_init: Literal["unit_slots", "small_slots"] = "unit_slots"
     history_order: Literal["given", "reversed"] = "given"
+    history_tokens: Literal["items", "mean"] = "items"
 
     def __post_init__(self):
         check_choices(self)
@@ -140,6 +148,9 @@ class RankingModelConfig:
         if self.fused_attention and self.attention_sublayer_plan == "blocks" and self.attn_backend not in ("triton", "tlx"):
             raise ValueError(f"attention_sublayer_plan='blocks' runs the triton or tlx backend's per-block kernels: set "
                              f"attn_backend to 'triton' or 'tlx' (got {self.attn_backend!r})")
+        if self.history_tokens == "mean" and self.history_order != "given":
+            raise ValueError(f"history_order={self.history_order!r} orders history item tokens; history_tokens='mean' "
+                             f"makes none (a mean has no order): leave history_order 'given'")
         if self.pad_tokens_to < 0:
             raise ValueError(f"pad_tokens_to={self.pad_tokens_to} must be >= 0 (0: no padding)")
 
@@ -380,14 +391,28 @@ class RankingModel(nn.Module):
             ],
             device=torch.device("cpu"),
         )
-        self.sequence_embeddings = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(name=f"t_{name}", embedding_dim=e, num_embeddings=n, feature_names=[name])
-                for name, n, _ in schema.sequence
-            ],
-            device=torch.device("cpu"),
-        )
-        self.tower = DenseTower(config, len(schema.dense), len(schema.categorical), len(schema.sequence))
+        self.pooled_history = config.history_tokens == "mean" and bool(self.sequence_names)
+        if self.pooled_history:
+            self.sequence_embeddings = EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(name=f"t_{name}", embedding_dim=e, num_embeddings=n, feature_names=[name],
+                                       pooling=PoolingType.MEAN)
+                    for name, n, _ in schema.sequence
+                ],
+                device=torch.device("cpu"),
+            )
+        else:
+            self.sequence_embeddings = EmbeddingCollection(
+                tables=[
+                    EmbeddingConfig(name=f"t_{name}", embedding_dim=e, num_embeddings=n, feature_names=[name])
+                    for name, n, _ in schema.sequence
+                ],
+                device=torch.device("cpu"),
+            )
+        # A pooled history is one more categorical-like field to the tower, with a slot vector of its own.
+        pooled_fields = len(schema.sequence) if self.pooled_history else 0
+        self.tower = DenseTower(config, len(schema.dense), len(schema.categorical) + pooled_fields,
+                                len(schema.sequence) - pooled_fields)
         if config.compile:
             # In place, so the state dict keeps its keys; the first batch compiles, later shapes reuse
             # the graph (dynamic shapes) or, under CUDA graphs, one recording per padded size.
@@ -397,14 +422,17 @@ class RankingModel(nn.Module):
         """The embedding lookups (eager: torchrec's modules, sharded or not) and the padding."""
         batch_size, e = batch.labels.shape[0], self.config.embedding_dim
         dense = batch.dense if len(self.schema.dense) else batch.labels.new_zeros(batch_size, 1)
+        fields = []
         if self.categorical_names:
             pooled = self.categorical_embeddings(self._check_keys(batch.sparse, self.categorical_names, "sparse"))
             # By feature name: a sharded collection (models/sharding/) returns its features grouped
             # by shard, not in table order.
-            categorical = torch.stack([pooled[name] for name in self.categorical_names], dim=1)
-        else:
-            categorical = dense.new_zeros(batch_size, 0, e)
-        if self.sequence_names:
+            fields += [pooled[name] for name in self.categorical_names]
+        if self.pooled_history:
+            pooled = self.sequence_embeddings(self._check_keys(batch.sequence, self.sequence_names, "sequence"))
+            fields += [pooled[name] for name in self.sequence_names]
+        categorical = torch.stack(fields, dim=1) if fields else dense.new_zeros(batch_size, 0, e)
+        if self.sequence_names and not self.pooled_history:
             jagged = self.sequence_embeddings(self._check_keys(batch.sequence, self.sequence_names, "sequence"))
             item_rows = [jagged[name].values() for name in self.sequence_names]
             history_lengths = torch.stack([jagged[name].lengths() for name in self.sequence_names])

@@ -131,8 +131,8 @@ for s in "$@"; do
         summary+=("quality_start: started, log /tmp/quality.log")
       fi ;;
     history_start)  # issue 23's time split: scripts/time_split_compare.sh's comparisons HISTORY_RUNS (default
-      # "with_history without_history"; history_order too), one after another in the background, waited for by
-      # quality_wait. Resumes from a carried .gpu/quality_runs.tgz as quality_start.
+      # "with_history without_history"; history_order and history_mean too), one after another in the
+      # background, waited for by quality_wait. Resumes from a carried .gpu/quality_runs.tgz as quality_start.
       [[ -f .gpu/quality_runs.tgz && ! -d /tmp/quality ]] && tar xzf .gpu/quality_runs.tgz -C /tmp
       if ! ml1m_data; then
         summary+=("history_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")

@@ -28,15 +28,19 @@ def test_block_length_square_sum_counts_partial_blocks():
     assert block_length_square_sum(np.array([0, 1, 64, 65, 200])) == 1 + 4096 + 4096 + 1 + 3 * 4096 + 8 * 8
 
 
-@pytest.mark.parametrize("readout", ["mean", "fields", "fields_dot"])  # fields: a wider head input; fields_dot: a bmm
-def test_matmul_flops_equal_pytorchs_count(readout):
-    config = RankingModelConfig(**{**CONFIG.__dict__, "readout": readout})
+# fields: a wider head input; fields_dot: a bmm; history_tokens "mean": each history one fixed token, no item tokens
+@pytest.mark.parametrize("readout, history_tokens", [("mean", "items"), ("fields", "items"), ("fields_dot", "items"),
+                                                     ("mean", "mean"), ("fields_dot", "mean")])
+def test_matmul_flops_equal_pytorchs_count(readout, history_tokens):
+    config = RankingModelConfig(**{**CONFIG.__dict__, "readout": readout, "history_tokens": history_tokens})
     model = RankingModel(SCHEMA, config)
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
     history = np.array([2, 70, 8, 108])
     counts = counted(model, batch)
-    attention = 4 * config.d_model * block_length_square_sum(FIXED_TOKENS + history)
-    dots = readout_dot_flops(config, len(history), FIXED_TOKENS)
+    fixed = FIXED_TOKENS + (len(SCHEMA.sequence) if history_tokens == "mean" else 0)
+    tokens = fixed + (history if history_tokens == "items" else np.zeros_like(history))
+    attention = 4 * config.d_model * block_length_square_sum(tokens)
+    dots = readout_dot_flops(config, len(history), fixed)
     assert (dots > 0) == (readout == "fields_dot")
     # Everything but attention and the readout's dots is exactly the counter's mm + addmm, forward and backward.
     assert train_step_flops(config, SCHEMA, history) - 3 * (config.num_layers * attention + dots) == (

@@ -53,41 +53,52 @@ def model() -> RankingModel:
 
 def expected_tokens(model: RankingModel, batch: Batch) -> list[torch.Tensor]:
     """Each sample's token matrix built one sample at a time, straight from the layout's definition."""
-    tower = model.tower
+    tower, config = model.tower, model.config
     slot = tower.slot_embedding.weight
-    user, ad = batch.sparse["user"].values(), batch.sparse["ad"].values()
     tables = model.categorical_embeddings.embedding_bags
-    sequence_tables = model.sequence_embeddings.embeddings
+    pooled = config.history_tokens == "mean"
+    sequence_tables = model.sequence_embeddings.embedding_bags if pooled else model.sequence_embeddings.embeddings
     samples = []
     for b in range(batch.batch_size):
-        rows = list(tower.dense_mlp(batch.dense[b]).view(CONFIG.n_dense_tokens, CONFIG.d_model))
-        for field, (name, ids) in enumerate((("t_user", user), ("t_ad", ad))):
-            embedding = tables[name].weight[ids[b]]
-            if model.config.field_projection == "per_field":  # categorical feature `field`'s own map
+        fields = [tables[f"t_{name}"].weight[batch.sparse[name].values()[b]] for name in ("user", "ad")]
+        item_ids = {}
+        for name in ("clicks", "views"):
+            jagged = batch.sequence[name]
+            ids = jagged.values()[jagged.offsets()[b]: jagged.offsets()[b + 1]]
+            weight = sequence_tables[f"t_{name}"].weight
+            if pooled:  # one more field: the mean of its items, zeros for an empty history
+                fields.append(weight[ids].mean(0) if len(ids) else weight.new_zeros(config.embedding_dim))
+            else:
+                item_ids[name] = ids.flip(0) if config.history_order == "reversed" else ids
+        rows = list(tower.dense_mlp(batch.dense[b]).view(config.n_dense_tokens, config.d_model))
+        for field, embedding in enumerate(fields):
+            if config.field_projection == "per_field":  # field `field`'s own map
                 rows.append(embedding @ tower.field_proj_weight[field] + tower.field_proj_bias[field])
             else:
                 rows.append(tower.embedding_proj(embedding))
         rows = [row + slot[i] for i, row in enumerate(rows)]
-        for slot_index, name in enumerate(("clicks", "views"), start=FIXED_TOKENS):
-            jagged = batch.sequence[name]
-            ids = jagged.values()[jagged.offsets()[b]: jagged.offsets()[b + 1]]
-            if model.config.history_order == "reversed":
-                ids = ids.flip(0)
+        for slot_index, (name, ids) in enumerate(item_ids.items(), start=len(rows)):
             rows.extend(tower.embedding_proj(sequence_tables[f"t_{name}"].weight[i]) + slot[slot_index] for i in ids)
         samples.append(torch.stack(rows))
     return samples
 
 
-@pytest.mark.parametrize("field_projection, history_order", [("shared", "given"), ("per_field", "given"),
-                                                             ("shared", "reversed")])
-def test_tokens_and_offsets_follow_the_layout(field_projection, history_order):
+@pytest.mark.parametrize("field_projection, history_order, history_tokens", [
+    ("shared", "given", "items"), ("per_field", "given", "items"), ("shared", "reversed", "items"),
+    ("shared", "given", "mean"), ("per_field", "given", "mean"),
+])  # fmt: skip
+def test_tokens_and_offsets_follow_the_layout(field_projection, history_order, history_tokens):
     torch.manual_seed(0)
     model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, field_projection=field_projection,
-                                                     history_order=history_order))
+                                                     history_order=history_order, history_tokens=history_tokens))
     # 0 and 70 history items: an empty history, and one that spills into a second 64-token block.
-    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    clicks, views = [0, 70, 3], [2, 0, 5]
+    batch = make_batch(clicks_lengths=clicks, views_lengths=views)
     tokens = model.build_tokens(batch)
-    lengths = [FIXED_TOKENS + 0 + 2, FIXED_TOKENS + 70 + 0, FIXED_TOKENS + 3 + 5]
+    if history_tokens == "mean":  # each history is one more fixed token
+        lengths = [FIXED_TOKENS + 2] * 3
+    else:
+        lengths = [FIXED_TOKENS + c + v for c, v in zip(clicks, views)]
     assert tokens.offsets.dtype == torch.int32
     # The samples, then the pad sequence, empty without pad_tokens_to.
     assert tokens.offsets.tolist() == [0, lengths[0], lengths[0] + lengths[1], sum(lengths), sum(lengths)]
@@ -95,6 +106,21 @@ def test_tokens_and_offsets_follow_the_layout(field_projection, history_order):
     assert tokens.sample_ids.tolist() == [b for b, n in enumerate(lengths) for _ in range(n)]
     expected = torch.cat(expected_tokens(model, batch))
     torch.testing.assert_close(tokens.values, expected)
+
+
+def test_a_pooled_history_is_one_token_per_feature_trains_its_table_and_has_no_order():
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, history_tokens="mean"))
+    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    logits, num_tokens = model(batch)
+    assert num_tokens == 3 * (FIXED_TOKENS + 2) and torch.isfinite(logits).all()
+    model.loss(logits, batch.labels).backward()
+    weight = model.sequence_embeddings.embedding_bags["t_clicks"].weight
+    seen = torch.zeros(weight.shape[0], dtype=torch.bool)
+    seen[batch.sequence["clicks"].values()] = True
+    assert weight.grad[seen].abs().sum(1).gt(0).all() and weight.grad[~seen].eq(0).all()
+    with pytest.raises(ValueError, match="history_tokens='mean' makes none"):
+        dataclasses.replace(CONFIG, history_tokens="mean", history_order="reversed")
 
 
 def test_features_out_of_schema_order_are_rejected(model):
