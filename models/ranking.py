@@ -6,11 +6,11 @@ Every sample becomes one jagged sequence of d_model tokens, in this order:
 
 The first two groups have a fixed size per sample (the "fixed" tokens); history
 items come from each sequence feature in schema order, so a sample's length is
-n_fixed + sum of its history lengths. Under history_tokens "mean" each sequence
-feature is one more fixed token instead, the mean of its items' embeddings. All samples are concatenated into a
-(total_tokens, d_model) tensor described by int32 `offsets`, which is the layout
-block_attention consumes: each sequence is cut into 64-token blocks from its
-start and a token only attends within its block. One more sequence follows the
+n_fixed + sum of its history lengths (under history_tokens "mean" each sequence
+feature is one more fixed token instead: the mean of its items' embeddings).
+All samples are concatenated into a (total_tokens, d_model) tensor described by
+int32 `offsets`, which is the layout block_attention consumes: each sequence is
+cut into 64-token blocks from its start and a token only attends within its block. One more sequence follows the
 samples: the pad tokens (RankingModelConfig.pad_tokens_to; empty without padding).
 
 The model is two parts: RankingModel.embed runs the torchrec embedding lookups
