@@ -10,8 +10,8 @@ n_fixed + sum of its history lengths (under history_tokens "mean" each sequence
 feature is one more fixed token instead: the mean of its items' embeddings).
 All samples are concatenated into a (total_tokens, d_model) tensor described by
 int32 `offsets`, which is the layout block_attention consumes: each sequence is
-cut into 64-token blocks from its start and a token only attends within its block. One more sequence follows the
-samples: the pad tokens (RankingModelConfig.pad_tokens_to; empty without padding).
+cut into 64-token blocks from its start and a token only attends within its block.
+One more sequence follows the samples: the pad tokens (RankingModelConfig.pad_tokens_to; empty without padding).
 
 The model is two parts: RankingModel.embed runs the torchrec embedding lookups
 eagerly (sharded or not, models/sharding/), and DenseTower does everything
