@@ -66,7 +66,9 @@ def forward_flops(config: RankingModelConfig, schema: FeatureSchema, history_len
     projections = 2 * num_tokens * d * (3 * d + d + 2 * hidden)
     attention = 4 * d * block_length_square_sum(tokens)
     n_fixed = fixed_token_count(config, schema)
-    head = 2 * batch_size * (head_inputs(config, n_fixed) * hidden + hidden)
+    head_in = head_inputs(config, n_fixed)
+    head = 2 * batch_size * (config.head_cross_layers * head_in**2 + head_in * hidden
+                             + (config.head_layers - 1) * hidden**2 + hidden)
     return dense_mlp + embedding_proj + config.num_layers * (projections + attention) + head + readout_dot_flops(
         config, batch_size, n_fixed)
 

@@ -135,6 +135,8 @@ class RankingModelConfig:
     token_init: Literal["unit_slots", "small_slots"] = "unit_slots"
     history_order: Literal["given", "reversed"] = "given"
     history_tokens: Literal["items", "mean"] = "items"
+    head_layers: int = 1
+    head_cross_layers: int = 0
 
     def __post_init__(self):
         check_choices(self)
@@ -142,9 +144,11 @@ class RankingModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even: rotary rotates pairs of channels")
-        for name in ("num_layers", "mlp_ratio", "embedding_dim", "n_dense_tokens"):
+        for name in ("num_layers", "mlp_ratio", "embedding_dim", "n_dense_tokens", "head_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.head_cross_layers < 0:
+            raise ValueError(f"head_cross_layers={self.head_cross_layers} must be >= 0 (0: no cross layers)")
         if self.fused_attention and self.attention_sublayer_plan == "blocks" and self.attn_backend not in ("triton", "tlx"):
             raise ValueError(f"attention_sublayer_plan='blocks' runs the triton or tlx backend's per-block kernels: set "
                              f"attn_backend to 'triton' or 'tlx' (got {self.attn_backend!r})")
@@ -199,8 +203,10 @@ class EmbeddedFeatures:
         return self.dense, self.categorical, self.history, self.history_lengths
 
 
-def mlp(d_in: int, d_hidden: int, d_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.GELU(), nn.Linear(d_hidden, d_out))
+def mlp(d_in: int, d_hidden: int, d_out: int, hidden_layers: int = 1) -> nn.Sequential:
+    widths = [d_in] + [d_hidden] * hidden_layers
+    hidden = [module for w_in, w_out in zip(widths, widths[1:]) for module in (nn.Linear(w_in, w_out), nn.GELU())]
+    return nn.Sequential(*hidden, nn.Linear(d_hidden, d_out))
 
 
 class AttentionLayer(nn.Module):
@@ -283,7 +289,9 @@ class DenseTower(nn.Module):
         self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
         self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(d)
-        self.head = mlp(head_inputs(config, self.num_fixed_tokens), config.mlp_ratio * d, 1)
+        head_in = head_inputs(config, self.num_fixed_tokens)
+        self.head_cross = nn.ModuleList(nn.Linear(head_in, head_in) for _ in range(config.head_cross_layers))
+        self.head = mlp(head_in, config.mlp_ratio * d, 1, hidden_layers=config.head_layers)
 
     def build_tokens(self, dense: torch.Tensor, categorical: torch.Tensor, history: torch.Tensor,
                      history_lengths: torch.Tensor) -> JaggedTokens:
@@ -372,7 +380,10 @@ class DenseTower(nn.Module):
                 first, second = torch.triu_indices(self.num_fixed_tokens, self.num_fixed_tokens, 1, device=x.device)
                 head_input.append(dots[:, first, second])
             pooled = torch.cat(head_input, dim=1)
-        return self.head(pooled).squeeze(-1)
+        crossed = pooled
+        for cross in self.head_cross:
+            crossed = pooled * cross(crossed) + crossed
+        return self.head(crossed).squeeze(-1)
 
 
 class RankingModel(nn.Module):

@@ -4,7 +4,8 @@
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
 # Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
-# compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache.
+# compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache, profile_c_path,
+# profile_eager_c_path.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
 # for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
@@ -97,6 +98,14 @@ for s in "$@"; do
     trace_reads) TRACE=(--data.num_train=131072 --data.num_val=2048 --attn=tlx --trainer.max_steps=40 --trainer.val_check_interval=100000 --trainer.limit_val_batches=0 --runs_dir=/tmp/trace_runs)
       step trace_reads 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${TRACE[@]}"
       step trace_reads_sharded 300 python3 -m benchmarks.trace_host_reads -- "${GPU_DATA[@]}" "${SHARDED_CONFIGS[@]}" "${TRACE[@]}" ;;
+    # The step under fbtriton's C launch path (train.py's default) and Triton's Python launch, back to back: compiled
+    # as configs/gpu.yaml runs it (profile_c_path) and eager (profile_eager_c_path), PROFILE_ATTN (default tlx).
+    profile_c_path|profile_eager_c_path) eager=(); [[ $s == profile_eager_c_path ]] && eager=(--model.net.compile=false --model.net.pad_tokens_to=0)
+      for c in 0 1; do
+        step ${s}_$c 280 env TRITON_ENABLE_C_CACHE=$c TRITON_USE_C_DISPATCHER=$c python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
+          --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 "${eager[@]}" --attn ${PROFILE_ATTN:-tlx} \
+          --out "$OUT/profile_step_${s#profile_}_${c}_$GPU"
+      done ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_$GPU" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
@@ -137,15 +146,16 @@ for s in "$@"; do
       if ! ml1m_data; then
         summary+=("history_start: no MovieLens-1M files: carry scripts/pack_ml1m.sh's pack to /tmp/ml1m_raw.tar.xz first")
       else
-        setsid nohup bash scripts/time_split_compare.sh ${HISTORY_RUNS:-with_history without_history} > /tmp/quality.log 2>&1 < /dev/null &
-        summary+=("history_start: started ${HISTORY_RUNS:-with_history without_history}, log /tmp/quality.log")
+        # A log of its own: a tuning (quality_start) may run beside it.
+        setsid nohup bash scripts/time_split_compare.sh ${HISTORY_RUNS:-with_history without_history} > /tmp/quality_history.log 2>&1 < /dev/null &
+        summary+=("history_start: started ${HISTORY_RUNS:-with_history without_history}, log /tmp/quality_history.log")
       fi ;;
     quality_wait) for _ in $(seq $(( ${QUALITY_WAIT_S:-570} / 5 ))); do pgrep -f "benchmarks.quality tune|time_split_compare.sh|--out /tmp/quality/" > /dev/null || break; sleep 5; done
-      cp /tmp/quality.log "$OUT"/quality.log
+      cp /tmp/quality*.log "$OUT"/
       # Every tuning folder without checkpoints: `python -m benchmarks.quality --protocol NAME=FOLDER ...` reports from it
       # here, and a tuning cut short resumes from it (carried back as .gpu/quality_runs.tgz).
       tar czf "$OUT"/quality_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp quality 2>/dev/null
-      summary+=("quality_wait: $(pgrep -f 'benchmarks.quality tune|time_split_compare.sh|--out /tmp/quality/' > /dev/null && echo still running || echo finished) :: $(grep -E 'ok in|FAILED|error' /tmp/quality.log | tail -2 | tr '\n' ' ')") ;;
+      summary+=("quality_wait: $(pgrep -f 'benchmarks.quality tune|time_split_compare.sh|--out /tmp/quality/' > /dev/null && echo still running || echo finished) :: $(grep -E 'ok in|FAILED|error' /tmp/quality*.log | tail -2 | tr '\n' ' ')") ;;
     sharded) step sharded 580 python3 -m torch.distributed.run --standalone --nproc-per-node 1 train.py "${GPU_DATA[@]}" --config configs/sharded.yaml --trainer.devices=1 --runs_dir=/tmp/runs ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac

@@ -239,11 +239,30 @@ def test_bf16_autocast_matches_fp32(model):
         ({"d_model": 30, "num_heads": 2}, "even"),
         ({"num_layers": 0}, "num_layers"),
         ({"attn_backend": "cuda"}, "attn_backend"),
+        ({"head_layers": 0}, "head_layers=0 must be >= 1"),
+        ({"head_cross_layers": -1}, "head_cross_layers=-1 must be >= 0"),
     ],
 )
 def test_config_rejects_bad_sizes(overrides, message):
     with pytest.raises(ValueError, match=message):
         RankingModelConfig(**overrides)
+
+
+def test_head_cross_layers_multiply_by_the_readout_then_add_their_input():
+    """DCNv2's cross layer, x_{l+1} = x_0 * (W_l x_l + b_l) + x_l, as the head's MLP receives it."""
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, RankingModelConfig(d_model=32, num_heads=2, embedding_dim=8, readout="fields_dot",
+                                                    head_layers=2, head_cross_layers=2))
+    seen = {}
+    model.tower.head_cross[0].register_forward_pre_hook(lambda _, args: seen.setdefault("readout", args[0]))
+    model.tower.head.register_forward_pre_hook(lambda _, args: seen.setdefault("head", args[0]))
+    logits, _ = model(make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5]))
+    readout = seen["readout"]
+    crossed = readout
+    for layer in model.tower.head_cross:
+        crossed = readout * (crossed @ layer.weight.T + layer.bias) + crossed
+    torch.testing.assert_close(seen["head"], crossed)
+    assert len(model.tower.head) == 5 and logits.shape == (3,)  # two hidden layers: Linear, GELU, Linear, GELU, Linear
 
 
 def test_padding_the_token_count_changes_no_logit(model):
