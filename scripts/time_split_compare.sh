@@ -4,8 +4,9 @@
 #   with_history     every model with the history feature (folder time_split_history)
 #   without_history  the same samples without it (time_split_no_history)
 #   history_order    ours with its history as given (oldest first) and reversed, model.net.history_order (history_order)
-#   history_mean     ours with each history as one token, the mean of its items, model.net.history_tokens=mean
-#                    (history_mean; its item-token twin is history_order's first group)
+#   history_mean     ours with each history as one token, the mean of its items, model.net.history_tokens=mean,
+#                    and ours without the history feature beside it (history_mean; its item-token twin is
+#                    history_order's first group)
 # Every model trains at the point its RecBole ML-1M tuning chose (benchmarks/results/quality_ml1m.md; ours from
 # quality_ml1m_retune.md, configs/movielens1m.yaml's), so each had the same budget, spent on the other protocol;
 # 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of the 800,164 training rows), 6 runs at a time. Block attention
@@ -25,7 +26,8 @@ for name in "$@"; do
     without_history) args=(--data.max_history_len=0 "${baselines[@]}" --out /tmp/quality/time_split_no_history) ;;
     history_order) args=(--data.max_history_len=256 --variant reversed "$attn" model.net.history_order=reversed
                          --out /tmp/quality/history_order) ;;
-    history_mean) args=(--data.max_history_len=256 --model.net.history_tokens=mean --out /tmp/quality/history_mean) ;;
+    history_mean) args=(--data.max_history_len=256 --model.net.history_tokens=mean --variant no_history "$attn"
+                        data.max_history_len=0 --out /tmp/quality/history_mean) ;;
     *) echo "unknown comparison '$name': with_history, without_history, history_order or history_mean" >&2; exit 2 ;;
   esac
   echo "== $name"
