@@ -45,13 +45,35 @@ def trial_folders(out: Path, model: str, groups: tuple[str, ...] = ("reference",
     return [run / json.loads((run / "run.json").read_text())["version"] for run in runs]
 
 
+# block_attention's size candidates: the tuning chooses among them before its grid.
+SIZES = [{"model.net.num_layers": 1}, {"model.net.num_layers": 2, "model.net.num_heads": 2}]
+SIZE_ARGS = ("--size", "model.net.num_layers=1", "--size", "model.net.num_layers=2,model.net.num_heads=2")
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory) -> tuple[Path, Path]:
+    """One tuning with a size stage, shared by the tests that read it (each tuning trains ~10 runs)."""
     root = tmp_path_factory.mktemp("tune")
     shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", root / "cache" / "raw" / "ml-1m")
-    result = run_tune(root / "out", root / "cache", seeds=2)
+    result = run_tune(root / "out", root / "cache", seeds=2, more=SIZE_ARGS)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root / "out", root / "cache"
+
+
+def chosen_size(out: Path) -> dict:
+    """Independently of the tool: the size candidate whose validation scores highest."""
+    return SIZES[validation_choice(trial_folders(out, "block_attention", ("reference", "num_layers2_num_heads2"),
+                                                 stage="sizes"))]
+
+
+def grid_folders(out: Path, model: str) -> list[Path]:
+    """The model's grid trials; block_attention's are named after its chosen size too (the first group is
+    named after the backend)."""
+    if model != "block_attention":
+        return trial_folders(out, model)
+    size = chosen_size(out)
+    prefix = "_".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in size.items())
+    return trial_folders(out, model, ("reference", f"{prefix}_lr0.05"))
 
 
 def test_every_model_gets_the_same_grid_and_the_choice_trains_for_every_seed(tuned, tmp_path):
@@ -60,11 +82,13 @@ def test_every_model_gets_the_same_grid_and_the_choice_trains_for_every_seed(tun
     assert tuning["grid"] == {"model.optim.lr": [0.002, 0.05]} and tuning["trials_per_model"] == 2
     for model in MODELS:
         entry = tuning["models"][model]
-        assert [trial["setting"] for trial in entry["trials"]] == [{"model.optim.lr": 0.002}, {"model.optim.lr": 0.05}]
-        chosen = validation_choice(trial_folders(out, model))
+        # block_attention's grid runs at its chosen size; the baseline's grid has no size keys.
+        size = chosen_size(out) if model == "block_attention" else {}
+        assert [trial["setting"] for trial in entry["trials"]] == [{**size, "model.optim.lr": lr} for lr in (0.002, 0.05)]
+        chosen = validation_choice(grid_folders(out, model))
         assert entry["chosen"] == entry["trials"][chosen]["setting"]
         # Seed 0 of the final comparison is the chosen trial's run; seed 1 trained with its setting.
-        trial_test = json.loads((trial_folders(out, model)[chosen] / "test.json").read_text())
+        trial_test = json.loads((grid_folders(out, model)[chosen] / "test.json").read_text())
         label = "reference" if model == "block_attention" else model
         finals = [out / "final" / "runs" / f"{label}-seed{seed}" for seed in (0, 1)]
         versions = [json.loads((run / "run.json").read_text())["version"] for run in finals]
@@ -86,16 +110,17 @@ def test_the_choice_does_not_move_when_the_test_scores_say_otherwise(tuned, tmp_
     other trial best: a selection that read test scores would choose another trial."""
     out, cache = tuned
     copy = tmp_path / "out"
-    shutil.copytree(out / "trials", copy / "trials", ignore=shutil.ignore_patterns("*.ckpt"))
+    for stage in ("sizes", "trials"):
+        shutil.copytree(out / stage, copy / stage, ignore=shutil.ignore_patterns("*.ckpt"))
     before = json.loads((out / "tuning.json").read_text())
     for model in MODELS:
-        chosen = validation_choice(trial_folders(copy, model))
-        for index, folder in enumerate(trial_folders(copy, model)):
+        chosen = validation_choice(grid_folders(copy, model))
+        for index, folder in enumerate(grid_folders(copy, model)):
             test = json.loads((folder / "test.json").read_text())
             worst = index == chosen
             test.update({"test/auc": 0.0 if worst else 1.0, "test/logloss": 9.0 if worst else 0.01})
             (folder / "test.json").write_text(json.dumps(test))
-    result = run_tune(copy, cache, seeds=1)  # the trials are reused: nothing trains again
+    result = run_tune(copy, cache, seeds=1, more=SIZE_ARGS)  # the trials are reused: nothing trains again
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "training 0 runs" in result.stdout
     after = json.loads((copy / "tuning.json").read_text())
@@ -104,24 +129,15 @@ def test_the_choice_does_not_move_when_the_test_scores_say_otherwise(tuned, tmp_
         assert after["models"][model]["trials"] == before["models"][model]["trials"]
 
 
-def test_block_attentions_size_is_chosen_first_and_its_grid_runs_at_that_size(tmp_path):
-    shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "cache" / "raw" / "ml-1m")
-    out = tmp_path / "out"
-    result = run_tune(out, tmp_path / "cache", 1, more=("--size", "model.net.num_layers=1",
-                                                        "--size", "model.net.num_layers=2,model.net.num_heads=2"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_block_attentions_size_is_chosen_first_and_its_grid_runs_at_that_size(tuned, tmp_path):
+    out, _ = tuned
     tuning = json.loads((out / "tuning.json").read_text())
-    sizes = [{"model.net.num_layers": 1}, {"model.net.num_layers": 2, "model.net.num_heads": 2}]
     stage = tuning["size_stage"]
-    assert stage["candidates"] == sizes and [t["setting"] for t in stage["trials"]] == sizes
-    size = sizes[validation_choice(trial_folders(out, "block_attention", ("reference", "num_layers2_num_heads2"),
-                                                 stage="sizes"))]
+    assert stage["candidates"] == SIZES and [t["setting"] for t in stage["trials"]] == SIZES
+    size = chosen_size(out)
     assert stage["chosen"] == size
-    # Its grid ran at the chosen size; the baseline's grid has no size keys.
-    entry = tuning["models"]["block_attention"]
-    assert [t["setting"] for t in entry["trials"]] == [{**size, "model.optim.lr": lr} for lr in (0.002, 0.05)]
-    assert [t["setting"] for t in tuning["models"]["lr"]["trials"]] == [{"model.optim.lr": lr} for lr in (0.002, 0.05)]
-    final = out / "final" / "runs" / "reference-seed0"
+    # Its grid ran at the chosen size (the settings: the first test), and so did its final runs.
+    final = out / "final" / "runs" / "reference-seed1"
     config = (final / json.loads((final / "run.json").read_text())["version"] / "config.yaml").read_text()
     assert f"num_layers: {size['model.net.num_layers']}" in config
     assert quality_main(["--protocol", f"recbole_ml1m_context={out}", "--out", str(tmp_path / "quality")]) == 0
