@@ -57,7 +57,8 @@ class RankingModelConfig:
     Args:
         d_model: token width.
         num_heads: attention heads per layer.
-        num_layers: pre-norm attention + MLP layers.
+        num_layers: pre-norm attention + MLP layers; 0 is the ablation without attention (each token goes
+            straight to the final norm and the readout), which says what the attention adds.
         mlp_ratio: hidden width of every MLP, as a multiple of d_model.
         embedding_dim: width of the embedding tables, projected up to d_model.
         n_dense_tokens: tokens the dense-feature MLP emits per sample.
@@ -144,11 +145,12 @@ class RankingModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even: rotary rotates pairs of channels")
-        for name in ("num_layers", "mlp_ratio", "embedding_dim", "n_dense_tokens", "head_layers"):
+        for name in ("mlp_ratio", "embedding_dim", "n_dense_tokens", "head_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.head_cross_layers < 0:
-            raise ValueError(f"head_cross_layers={self.head_cross_layers} must be >= 0 (0: no cross layers)")
+        for name in ("num_layers", "head_cross_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.fused_attention and self.attention_sublayer_plan == "blocks" and self.attn_backend not in ("triton", "tlx"):
             raise ValueError(f"attention_sublayer_plan='blocks' runs the triton or tlx backend's per-block kernels: set "
                              f"attn_backend to 'triton' or 'tlx' (got {self.attn_backend!r})")

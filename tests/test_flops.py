@@ -29,13 +29,15 @@ def test_block_length_square_sum_counts_partial_blocks():
 
 
 # fields: a wider head input; fields_dot: a bmm; history_tokens "mean": each history one fixed token, no item
-# tokens; head (hidden layers, cross layers): a deeper head and DCNv2 cross layers on the readout
-@pytest.mark.parametrize("readout, history_tokens, head", [
-    ("mean", "items", (1, 0)), ("fields", "items", (1, 0)), ("fields_dot", "items", (1, 0)), ("mean", "mean", (1, 0)),
-    ("fields_dot", "mean", (1, 0)), ("mean", "items", (3, 0)), ("fields_dot", "items", (2, 2))])
-def test_matmul_flops_equal_pytorchs_count(readout, history_tokens, head):
+# tokens; head (hidden layers, cross layers): a deeper head and DCNv2 cross layers on the readout; layers 0: the
+# ablation without attention
+@pytest.mark.parametrize("readout, history_tokens, head, layers", [
+    ("mean", "items", (1, 0), 2), ("fields", "items", (1, 0), 2), ("fields_dot", "items", (1, 0), 2),
+    ("mean", "mean", (1, 0), 2), ("fields_dot", "mean", (1, 0), 2), ("mean", "items", (3, 0), 2),
+    ("fields_dot", "items", (2, 2), 2), ("fields_dot", "items", (1, 2), 0)])
+def test_matmul_flops_equal_pytorchs_count(readout, history_tokens, head, layers):
     config = RankingModelConfig(**{**CONFIG.__dict__, "readout": readout, "history_tokens": history_tokens,
-                                   "head_layers": head[0], "head_cross_layers": head[1]})
+                                   "head_layers": head[0], "head_cross_layers": head[1], "num_layers": layers})
     model = RankingModel(SCHEMA, config)
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
     history = np.array([2, 70, 8, 108])

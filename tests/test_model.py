@@ -237,7 +237,7 @@ def test_bf16_autocast_matches_fp32(model):
     [
         ({"d_model": 30, "num_heads": 4}, "divisible"),
         ({"d_model": 30, "num_heads": 2}, "even"),
-        ({"num_layers": 0}, "num_layers"),
+        ({"num_layers": -1}, "num_layers=-1 must be >= 0"),
         ({"attn_backend": "cuda"}, "attn_backend"),
         ({"head_layers": 0}, "head_layers=0 must be >= 1"),
         ({"head_cross_layers": -1}, "head_cross_layers=-1 must be >= 0"),
@@ -263,6 +263,26 @@ def test_head_cross_layers_multiply_by_the_readout_then_add_their_input():
         crossed = readout * (crossed @ layer.weight.T + layer.bias) + crossed
     torch.testing.assert_close(seen["head"], crossed)
     assert len(model.tower.head) == 5 and logits.shape == (3,)  # two hidden layers: Linear, GELU, Linear, GELU, Linear
+
+
+@pytest.mark.parametrize("num_layers", [0, 1])
+def test_without_attention_layers_no_token_reads_another(num_layers):
+    """num_layers=0, the ablation: a sample's fixed tokens reach the readout without meeting its history items,
+    so new history embeddings leave them as they were; one attention layer lets them read the items."""
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, RankingModelConfig(**{**CONFIG.__dict__, "num_layers": num_layers, "readout": "fields"}))
+    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    seen = []
+    model.tower.head.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(batch)
+        for table in model.sequence_embeddings.embeddings.values():
+            table.weight.add_(1.0)
+        model(batch)
+    fixed = model.tower.num_fixed_tokens * model.config.d_model  # the readout's first columns, then the mean
+    assert len(model.tower.layers) == num_layers
+    assert torch.equal(seen[0][:, :fixed], seen[1][:, :fixed]) == (num_layers == 0)
+    assert not torch.equal(seen[0][:, fixed:], seen[1][:, fixed:])  # the mean over all tokens reads the items
 
 
 def test_padding_the_token_count_changes_no_logit(model):
