@@ -30,6 +30,9 @@ ml1m_data() {  # unpacks the carried MovieLens-1M pack into the data cache once;
   [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter || -z $pack ]] || tar xJf "$pack" -C /tmp/data_cache
   [[ -f /tmp/data_cache/raw/ml-1m/ml-1m.inter ]]
 }
+c_path() {  # 0 or 1: the environment that turns fbtriton's C launch path off or on (train.py's C_LAUNCH_ENVIRONMENT)
+  echo "TRITON_ENABLE_C_CACHE=$1 TRITON_USE_C_DISPATCHER=$1"
+}
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
@@ -67,10 +70,10 @@ for s in "$@"; do
     # in C, read when a kernel is defined; TRITON_USE_C_DISPATCHER: the launch in C) against Triton's Python one,
     # on both sublayers' eager and graph times, back to back; parity_c_cache: the parity tests under the C path.
     host_c_cache) for sublayer in attention mlp; do for c in 0 1; do
-        step ${sublayer}_c_cache_$c 300 env TRITON_ENABLE_C_CACHE=$c TRITON_USE_C_DISPATCHER=$c python3 -m benchmarks.bench_sublayer \
+        step ${sublayer}_c_cache_$c 300 env $(c_path $c) python3 -m benchmarks.bench_sublayer \
           --sublayer $sublayer --impls unfused_compiled triton tlx --out "$OUT/${sublayer}_sublayer_c_cache_${c}_$GPU"
       done; done ;;
-    parity_c_cache) step parity_c_cache 420 env TRITON_ENABLE_C_CACHE=1 TRITON_USE_C_DISPATCHER=1 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    parity_c_cache) step parity_c_cache 420 env $(c_path 1) python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/test_gpu_parity.py -k "${PARITY_K:-not blocks_plan}" ;;
     # The step with and without one fused sublayer (model.net.fused_mlp, model.net.fused_attention), back to back on one machine.
     profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
@@ -102,7 +105,7 @@ for s in "$@"; do
     # as configs/gpu.yaml runs it (profile_c_path) and eager (profile_eager_c_path), PROFILE_ATTN (default tlx).
     profile_c_path|profile_eager_c_path) eager=(); [[ $s == profile_eager_c_path ]] && eager=(--model.net.compile=false --model.net.pad_tokens_to=0)
       for c in 0 1; do
-        step ${s}_$c 280 env TRITON_ENABLE_C_CACHE=$c TRITON_USE_C_DISPATCHER=$c python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
+        step ${s}_$c 280 env $(c_path $c) python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
           --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 "${eager[@]}" --attn ${PROFILE_ATTN:-tlx} \
           --out "$OUT/profile_step_${s#profile_}_${c}_$GPU"
       done ;;

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality import GRID, grid_points, main as quality_main, select
+from benchmarks.quality import GRID, grid_points, main as quality_main, point_label, select
 from tests.test_train import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def trial_folders(out: Path, model: str, groups: tuple[str, ...] = ("reference",
 
 # block_attention's size candidates: the tuning chooses among them before its grid.
 SIZES = [{"model.net.num_layers": 1}, {"model.net.num_layers": 2, "model.net.num_heads": 2}]
-SIZE_ARGS = ("--size", "model.net.num_layers=1", "--size", "model.net.num_layers=2,model.net.num_heads=2")
+SIZE_ARGS = tuple(arg for size in SIZES for arg in ("--size", ",".join(f"{key}={value}" for key, value in size.items())))
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +62,9 @@ def tuned(tmp_path_factory) -> tuple[Path, Path]:
 
 def chosen_size(out: Path) -> dict:
     """Independently of the tool: the size candidate whose validation scores highest."""
-    return SIZES[validation_choice(trial_folders(out, "block_attention", ("reference", "num_layers2_num_heads2"),
-                                                 stage="sizes"))]
+    # The comparison names its first group after the backend, the others after their settings.
+    groups = ("reference", *(point_label(size) for size in SIZES[1:]))
+    return SIZES[validation_choice(trial_folders(out, "block_attention", groups, stage="sizes"))]
 
 
 def grid_folders(out: Path, model: str) -> list[Path]:
@@ -71,9 +72,7 @@ def grid_folders(out: Path, model: str) -> list[Path]:
     named after the backend)."""
     if model != "block_attention":
         return trial_folders(out, model)
-    size = chosen_size(out)
-    prefix = "_".join(f"{key.rsplit('.', 1)[-1]}{value}" for key, value in size.items())
-    return trial_folders(out, model, ("reference", f"{prefix}_lr0.05"))
+    return trial_folders(out, model, ("reference", point_label({**chosen_size(out), "model.optim.lr": 0.05})))
 
 
 def test_every_model_gets_the_same_grid_and_the_choice_trains_for_every_seed(tuned, tmp_path):
