@@ -158,6 +158,13 @@ class RankingTask(L.LightningModule):
         return strategy.pipelined_step if isinstance(strategy, TorchrecStrategy) else None
 
     @property
+    def replays_cuda_graphs(self) -> bool:
+        """Whether the compiled tower replays CUDA graphs: torch.compile's modes "reduce-overhead" and
+        "max-autotune" both record them ("max-autotune-no-cudagraphs" does not)."""
+        config = self.net.config
+        return config.compile and config.compile_mode in ("reduce-overhead", "max-autotune")
+
+    @property
     def automatic_optimization(self) -> bool:
         return self.pipelined_step is None
 
@@ -168,7 +175,7 @@ class RankingTask(L.LightningModule):
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict]:
         """The training loss, and the step's outputs: what torchrec's TrainPipelineSparseDist calls."""
-        if self.net.config.compile and "reduce-overhead" in self.net.config.compile_mode:
+        if self.replays_cuda_graphs:
             # CUDA-graph trees reuse their output memory from step to step: tell them a new one starts.
             torch.compiler.cudagraph_mark_step_begin()
         logits, _ = self.net(batch)
@@ -205,7 +212,7 @@ class RankingTask(L.LightningModule):
 
     def score(self, batch: Batch) -> None:
         """Adds a validation or test batch's predictions to the metrics."""
-        if self.net.config.compile and "reduce-overhead" in self.net.config.compile_mode:
+        if self.replays_cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         logits, _ = self.net(batch)
         logits, labels = logits.float(), batch.labels.float()

@@ -36,7 +36,7 @@ from kernels import (
     Rotary,
     attention_sublayer,
     available_backends,
-    block_attention,
+    block_attention_qkv,
     block_table,
     mlp_sublayer,
     mlp_sublayer_reference,
@@ -115,8 +115,8 @@ def build_impl(name: str, args: argparse.Namespace, device: torch.device, launch
         def unfused(x, norm_weight, norm_bias, w_qkv, b_qkv, w_out, b_out):
             # The model's unfused layer (models/ranking.py, AttentionLayer), as autocast runs it.
             qkv = F.linear(F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias), w_qkv, b_qkv)
-            q, k, v = qkv.view(args.tokens, 3, args.num_heads, head_dim).unbind(1)
-            attn = block_attention(q, k, v, table, rotary=rotary, backend=args.unfused_attn)
+            qkv = qkv.view(args.tokens, 3, args.num_heads, head_dim)
+            attn = block_attention_qkv(qkv, table, rotary=rotary, backend=args.unfused_attn)
             return x + F.linear(attn.reshape(args.tokens, args.d_model), w_out, b_out)
 
         return unfused

@@ -13,6 +13,11 @@ A kernel backend supplies two launchers and gets its ops from `kernel_ops`:
 one [T, 3, H, D] gradient that the attention sublayer's QKV projection takes as is; see
 `gradient_outputs`.)
 
+A backend whose backward launcher takes `into` also gets packed ops, `<name>_forward_qkv` /
+`_backward_qkv`, on one [T, 3, H, D] qkv (a QKV projection's output, viewed): the same launchers on
+its three views, the backward writing dq, dk, dv into one dqkv. `block_attention_qkv` calls them, so
+autograd hands the projection one gradient instead of stacking three (a copy of dqkv per layer).
+
 `kernel_ops` registers them as `block_attention::<name>_forward` / `_backward` custom ops with fake
 (meta) implementations and an autograd formula, so models that call them compile under
 torch.compile (the ops are opaque to it, and their data-dependent block count never leaks into a
@@ -55,6 +60,13 @@ class Backend:
     # tests opcheck them); `run` may wrap it. None for a backend of plain PyTorch ops.
     ops: Callable[..., torch.Tensor] | None = None
 
+    @property
+    def run_qkv(self) -> Callable[..., torch.Tensor] | None:
+        """(qkv [T, 3, H, D], table, cos, sin, rotate_v, launch) -> out, with dqkv as one tensor, where
+        the backend fuses rotary and has packed ops; None where block_attention_qkv runs `run` on
+        qkv's views instead."""
+        return getattr(self.ops, "qkv", None) if self.fuses_rotary else None
+
 
 def no_unsupported_inputs(q: torch.Tensor) -> str | None:
     return None
@@ -93,10 +105,13 @@ def kernel_ops(
     forward_launcher: Callable,
     backward_launcher: Callable,
     fake_residuals: Callable[[torch.Tensor], list[torch.Tensor]] = lambda q: [],
+    packed: bool = False,
 ) -> Callable[..., torch.Tensor]:
     """Registers backend `name`'s forward and backward launchers as custom ops with fake and
     autograd implementations; returns its `run(q, k, v, table, cos, sin, rotate_v, launch)`, which
-    eager calls (eager_call) take through an autograd.Function over the same launchers instead."""
+    eager calls (eager_call) take through an autograd.Function over the same launchers instead.
+    `packed` (a backward launcher that takes `into`): also the packed ops, as `run.qkv(qkv, table,
+    cos, sin, rotate_v, launch)`."""
 
     @torch.library.custom_op(f"block_attention::{name}_forward", mutates_args=())
     def forward_op(
@@ -130,12 +145,14 @@ def kernel_ops(
         ctx.rotate_v, ctx.launch, ctx.num_inputs = rotate_v, launch, len(tensors)
 
     def gradients(ctx, grad_out, backward_fn):
-        """(dq, dk, dv) and no gradient for the block table and the rotary tables (functions of
-        position), from what setup_context saved."""
+        """The attention inputs' gradients ((dq, dk, dv), or dqkv) and none for the block table and
+        the rotary tables (functions of position), from what setup_context saved."""
         saved = ctx.saved_tensors
         inputs, outputs = saved[: ctx.num_inputs], list(saved[ctx.num_inputs:])
-        dq, dk, dv = backward_fn(grad_out, *inputs, ctx.rotate_v, ctx.launch, outputs)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        grads = backward_fn(grad_out, *inputs, ctx.rotate_v, ctx.launch, outputs)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        # The position tensors (block table and rotary tables, 5) and the two constants get none.
+        return (*grads, *[None] * 7)
 
     forward_op.register_autograd(lambda ctx, grads: gradients(ctx, grads[0], backward_op), setup_context=setup_context)
 
@@ -149,4 +166,44 @@ def kernel_ops(
     run.forward_op, run.backward_op = forward_op, backward_op
     # For ops that run this attention inside their own (kernels/attention_sublayer_kernels.py).
     run.forward_launcher, run.backward_launcher = forward_launcher, backward_launcher
+    if not packed:
+        return run
+
+    def forward_qkv(
+        qkv: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor, num_blocks: torch.Tensor,
+        cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool, launch: str,
+    ) -> list[torch.Tensor]:
+        return list(forward_launcher(*qkv.unbind(1), block_start, block_len, num_blocks, cos, sin, rotate_v, launch))
+
+    def backward_qkv(
+        grad_out: torch.Tensor, qkv: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor,
+        num_blocks: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rotate_v: bool, launch: str,
+        saved: list[torch.Tensor],
+    ) -> torch.Tensor:
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        backward_launcher(grad_out, *qkv.unbind(1), block_start, block_len, num_blocks, cos, sin, rotate_v, launch,
+                          *saved, into=dqkv.unbind(1))
+        return dqkv
+
+    forward_qkv_op = torch.library.custom_op(f"block_attention::{name}_forward_qkv", mutates_args=())(forward_qkv)
+    backward_qkv_op = torch.library.custom_op(f"block_attention::{name}_backward_qkv", mutates_args=())(backward_qkv)
+
+    @forward_qkv_op.register_fake
+    def _(qkv, block_start, block_len, num_blocks, cos, sin, rotate_v, launch):
+        q = qkv[:, 0]
+        return [torch.empty_like(q, memory_format=torch.contiguous_format), *fake_residuals(q)]
+
+    @backward_qkv_op.register_fake
+    def _(grad_out, qkv, block_start, block_len, num_blocks, cos, sin, rotate_v, launch, saved):
+        return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+    forward_qkv_op.register_autograd(lambda ctx, grads: gradients(ctx, grads[0], backward_qkv_op),
+                                     setup_context=setup_context)
+    call_qkv = op_or_eager(forward_qkv_op, forward_qkv, setup_context,
+                           lambda ctx, grads: gradients(ctx, grads[0], backward_qkv))
+
+    def run_qkv(qkv, table: BlockTable, cos, sin, rotate_v: bool, launch: str) -> torch.Tensor:
+        return call_qkv((qkv, *table.tensors(), cos, sin), bool(rotate_v), launch)
+
+    run.qkv, run.forward_qkv_op, run.backward_qkv_op = run_qkv, forward_qkv_op, backward_qkv_op
     return run

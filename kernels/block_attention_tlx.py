@@ -594,7 +594,7 @@ def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, r
 
 # The block table comes in built (once per batch), and is saved for the backward by the op's
 # autograd, so the backward never rebuilds it.
-_run_ops = kernel_ops("tlx", _forward, _backward)
+_run_ops = kernel_ops("tlx", _forward, _backward, packed=True)
 
 HOW_TO_GET = ("run on an sm_90 GPU (H100/H200) with TLX: `pip uninstall -y triton && pip install fbtriton==3.7.4`, "
               "or `pip install triton-utlx==3.8.0.post16` with Triton 3.8 / torch 2.14")

@@ -288,7 +288,7 @@ def _backward(grad_out, q, k, v, block_start, block_len, num_blocks, cos, sin, r
     return dq, dk, dv
 
 
-_run_ops = kernel_ops("triton", _forward, _backward)
+_run_ops = kernel_ops("triton", _forward, _backward, packed=True)
 
 
 def _run(q, k, v, table, cos, sin, rotate_v, launch):

@@ -206,6 +206,32 @@ def block_attention(
     `launch` overrides a kernel backend's launch settings ({"fwd": {...}, "bwd": {...}}), for
     tuning sweeps; None runs the production settings.
     """
+    return _block_attention((q, k, v), None, offsets, rotary, backend, check_offsets, launch)
+
+
+def block_attention_qkv(
+    qkv: torch.Tensor,
+    offsets: torch.Tensor | BlockTable,
+    *,
+    rotary: Rotary | None = None,
+    backend: str = "auto",
+    check_offsets: bool = True,
+    launch: dict | None = None,
+) -> torch.Tensor:
+    """`block_attention` on q, k, v packed as qkv (total_tokens, 3, heads, head_dim), e.g. one QKV
+    projection's output viewed: the same result, and its gradient comes back as one dqkv of qkv's
+    shape, which the tlx and triton backends write in place; the three gradients of
+    `block_attention(*qkv.unbind(1), ...)` would be stacked into one by a copy. Other backends run on
+    qkv's views. Arguments otherwise as `block_attention`'s."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be (total_tokens, 3, heads, head_dim), got shape {tuple(qkv.shape)}")
+    return _block_attention(qkv.unbind(1), qkv, offsets, rotary, backend, check_offsets, launch)
+
+
+def _block_attention(qkv_views, qkv, offsets, rotary, backend, check_offsets, launch) -> torch.Tensor:
+    """block_attention on q, k, v = qkv_views, through the backend's packed ops where `qkv` (their
+    packed tensor, or None) is given and the backend has them."""
+    q, k, v = qkv_views
     if backend not in BACKENDS:
         raise ValueError(f"unknown block_attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if launch and backend == "auto":
@@ -222,6 +248,8 @@ def block_attention(
         cos, sin = rotary_tables(rotary, table.offsets, q.shape[0], q.shape[-1])
     if q.shape[0] == 0:
         return (q + k + v) * 0  # keeps the autograd graph for empty batches without launching kernels
+    if qkv is not None and chosen.run_qkv is not None:
+        return chosen.run_qkv(qkv, table, cos, sin, rotate_v, launch)
     if cos is not None and not chosen.fuses_rotary:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if rotate_v:

@@ -42,7 +42,7 @@ from kernels import (
     BlockTable,
     Rotary,
     attention_sublayer,
-    block_attention,
+    block_attention_qkv,
     block_table,
     mlp_sublayer,
     rotary_tables,
@@ -119,6 +119,11 @@ class RankingModelConfig:
             (W_l x_l + b_l) + x_l with a full-rank W_l: DCNv2's stacked tower over the attention's output,
             so the head forms bounded-degree products of the readout's features explicitly instead of
             learning them in an MLP.
+        residual_init: how each layer's residual branches start. "default", nn.Linear's initialization;
+            "zero", the last linear of each branch (the attention's output projection, the MLP's down
+            projection) starts at zero weight and bias, so every layer starts as the identity and the model
+            as its num_layers=0 ablation; the branches then grow from there (as ReZero and the zero-init
+            residual of Goyal et al. start them), instead of first adding random mixing to every token.
     """
 
     d_model: int = 64
@@ -144,6 +149,7 @@ class RankingModelConfig:
     history_tokens: Literal["items", "mean"] = "items"
     head_layers: int = 1
     head_cross_layers: int = 0
+    residual_init: Literal["default", "zero"] = "default"
 
     def __post_init__(self):
         check_choices(self)
@@ -233,15 +239,19 @@ class AttentionLayer(nn.Module):
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.mlp_norm = nn.LayerNorm(config.d_model)
         self.mlp = mlp(config.d_model, config.mlp_ratio * config.d_model, config.d_model)
+        if config.residual_init == "zero":
+            for branch_out in (self.out_proj, self.mlp[-1]):
+                nn.init.zeros_(branch_out.weight)
+                nn.init.zeros_(branch_out.bias)
 
     def forward(self, x: torch.Tensor, table: BlockTable, rotary: Rotary) -> torch.Tensor:
         # The table and rotary tables are built once per batch (DenseTower.forward).
         if self.attention_sublayer_backend is None:
             num_tokens, d_model = x.shape
             qkv = self.qkv(self.attn_norm(x)).view(num_tokens, 3, self.num_heads, self.head_dim)
-            # Views of one projection: the kernels read them in place (shared strides), no copies.
-            q, k, v = qkv.unbind(dim=1)
-            attn = block_attention(q, k, v, table, rotary=rotary, backend=self.attn_backend)
+            # Packed: the kernels read q, k, v in place and write their gradients as one dqkv, which the
+            # projection's backward takes as is (no copy stacking three).
+            attn = block_attention_qkv(qkv, table, rotary=rotary, backend=self.attn_backend)
             x = x + self.out_proj(attn.reshape(num_tokens, d_model))
         else:
             # The same parameters (and state dict) as the unfused path, in one op.

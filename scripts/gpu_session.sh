@@ -5,7 +5,7 @@
 #     bash scripts/gpu_session.sh env parity smoke
 # Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache, profile_c_path,
-# profile_eager_c_path.
+# profile_eager_c_path, profile_vs_base.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
 # session, which outlives the call while the machine stays warm; compare_wait, in later calls, waits
 # for it (COMPARE_WAIT_S, default 570 s) and copies its report, or the runs so far, to $OUT.
@@ -108,6 +108,15 @@ for s in "$@"; do
         step ${s}_$c 280 env $(c_path $c) python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
           --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 "${eager[@]}" --attn ${PROFILE_ATTN:-tlx} \
           --out "$OUT/profile_step_${s#profile_}_${c}_$GPU"
+      done ;;
+    # The step of this tree against a base commit's, back to back on one machine (the ratio a change bought):
+    # carry `git archive BASE | xz > .gpu/base_tree.tar.xz`; PROFILE_ATTN (default tlx), PROFILE_ARGS more
+    # train.py arguments for both. Each tree runs from its own folder, so its modules come first on sys.path.
+    profile_vs_base) rm -rf /tmp/base_tree && mkdir -p /tmp/base_tree && tar xJf .gpu/base_tree.tar.xz -C /tmp/base_tree
+      for tree in base head; do
+        dir=$PWD; [[ $tree == base ]] && dir=/tmp/base_tree
+        step profile_$tree 300 bash -c "cd $dir && python3 -m benchmarks.profile_step ${GPU_DATA[*]} --data.num_train=131072 \
+          --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx} ${PROFILE_ARGS:-} --out $OUT/profile_step_${tree}_$GPU"
       done ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_$GPU" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;

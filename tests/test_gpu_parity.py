@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kernels import (
-    AUTO_ORDER, Rotary, available_backends, backend_unavailable_reason, block_attention, block_table, get_backend,
-    rotary_tables,
+    AUTO_ORDER, Rotary, available_backends, backend_unavailable_reason, block_attention, block_attention_qkv,
+    block_table, get_backend, offsets_from_lengths, rotary_tables,
 )
 from kernels.attention_sublayer_dispatch import ATTENTION_SUBLAYER_KERNELS, get_attention_sublayer_backend
 from kernels.mlp_dispatch import MLP_AUTO_ORDER, get_mlp_backend
@@ -59,6 +59,30 @@ def test_parity_with_more_items_than_programs(backend):
     result = parity(backend, lengths=MANY_ITEMS, head_dim=64, rotary=Rotary(rotate_v=True), device="cuda", seed=6)
     print(result.summary())
     assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_packed_qkv_matches_its_views(backend, compiled):
+    """block_attention_qkv (how the model calls it) gives block_attention's result on qkv's views, and the
+    stacked gradients of the views, bit for bit: the same kernels, writing dqkv in place where packed."""
+    _runnable(backend, 64, torch.bfloat16)
+    offsets = offsets_from_lengths(RAGGED).cuda()
+    tokens = int(offsets[-1])
+    table = block_table(offsets, tokens)
+    cos, sin = rotary_tables(Rotary(), offsets, tokens, 64)
+    generator = torch.Generator(device="cpu").manual_seed(8)
+    qkv, grad_out = (torch.randn(tokens, *shape, generator=generator).to("cuda", torch.bfloat16)
+                     for shape in ((3, 4, 64), (4, 64)))
+    results = []
+    for attention in (lambda x: block_attention_qkv(x, table, rotary=Rotary(cos=cos, sin=sin), backend=backend),
+                      lambda x: block_attention(*x.unbind(1), table, rotary=Rotary(cos=cos, sin=sin), backend=backend)):
+        attention = torch.compile(attention, fullgraph=backend != "flex") if compiled else attention
+        leaf = qkv.detach().requires_grad_()
+        out = attention(leaf)
+        results.append((out, *torch.autograd.grad(out, leaf, grad_out)))
+    for name, a, b in zip(("out", "dqkv"), *results):
+        assert torch.equal(a, b), f"{backend} {name}: max difference {(a.float() - b.float()).abs().max()}"
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

@@ -211,6 +211,13 @@ def test_kernel_backends_expose_their_custom_ops(backend):
     ops = get_backend(backend).ops
     assert ops.forward_op._qualname == f"block_attention::{backend}_forward"
     assert ops.backward_op._qualname == f"block_attention::{backend}_backward"
+    # Packed ops (block_attention_qkv) where the backend fuses rotary and its backward writes into given views.
+    if backend == "fa2":
+        assert not hasattr(ops, "qkv") and get_backend(backend).run_qkv is None
+    else:
+        assert ops.forward_qkv_op._qualname == f"block_attention::{backend}_forward_qkv"
+        assert ops.backward_qkv_op._qualname == f"block_attention::{backend}_backward_qkv"
+        assert get_backend(backend).run_qkv is ops.qkv
 
 
 def test_check_offsets_false_skips_only_the_value_check():

@@ -285,6 +285,31 @@ def test_without_attention_layers_no_token_reads_another(num_layers):
     assert not torch.equal(seen[0][:, fixed:], seen[1][:, fixed:])  # the mean over all tokens reads the items
 
 
+def test_zero_residual_init_starts_as_the_ablation_without_attention_then_trains_its_layers():
+    """residual_init="zero": every layer starts as the identity, so the model's logits are its num_layers=0
+    ablation's on the same other parameters; one optimizer step moves the branches' last linears off zero,
+    and the layers then change the logits."""
+    config = dataclasses.replace(CONFIG, residual_init="zero", readout="fields_dot", head_cross_layers=1)
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, config)
+    ablation = RankingModel(SCHEMA, dataclasses.replace(config, num_layers=0))
+    missing, unexpected = ablation.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and unexpected and all(key.startswith("tower.layers.") for key in unexpected)
+    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    logits, _ = model(batch)
+    torch.testing.assert_close(logits, ablation(batch)[0], rtol=0, atol=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.loss(logits, batch.labels).backward()
+    optimizer.step()
+    for layer in model.tower.layers:
+        assert layer.out_proj.weight.abs().max() > 0 and layer.mlp[-1].weight.abs().max() > 0
+    ablation.load_state_dict(model.state_dict(), strict=False)  # the step's other parameters too
+    with torch.no_grad():
+        assert not torch.equal(model(batch)[0], ablation(batch)[0])
+    # The default initialization leaves them as nn.Linear makes them.
+    assert RankingModel(SCHEMA, CONFIG).tower.layers[0].out_proj.weight.abs().max() > 0
+
+
 def test_padding_the_token_count_changes_no_logit(model):
     """pad_tokens_to appends one sequence of pad tokens that no real token attends to and pooling drops."""
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])

@@ -12,9 +12,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from kernels import (  # noqa: E402
-    Rotary, apply_rotary, block_attention, block_table, check_backend, get_backend, offsets_from_lengths, rotary_tables,
+    Rotary, apply_rotary, block_attention, block_attention_qkv, block_table, check_backend, get_backend,
+    offsets_from_lengths, rotary_tables,
 )
 from kernels.testing import parity  # noqa: E402
 
@@ -62,17 +64,66 @@ def test_fused_rotary_matches_rotating_first():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_views_of_one_packed_projection_need_no_copy_and_match():
-    """q, k, v as the three views of a [T, 3, H, D] projection (how the model calls it) give the
-    same result as contiguous copies, gradients included."""
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rotary_mode", ["none", "qkv"])
+def test_packed_qkv_matches_its_views_and_writes_one_gradient(rotary_mode):
+    """block_attention_qkv on a [T, 3, H, D] projection gives block_attention's result on its views bit for
+    bit, gradients included, eagerly and through its custom ops; its backward is one op writing dqkv, where
+    the views' gradients need a stack (a copy of dqkv) after the backward op."""
     q, k, v, offsets, grad_out = _inputs(LENGTHS, 32, torch.float32, seed=2)
+    rotary = ROTARY_MODES[rotary_mode]
     packed = torch.stack((q, k, v), dim=1)
-    leaf = packed.detach().requires_grad_()
-    out = block_attention(*leaf.unbind(1), offsets, rotary=Rotary(), backend="triton")
-    (dqkv,) = torch.autograd.grad(out, leaf, grad_out)
-    expected = _run(lambda *x: block_attention(*x, offsets, rotary=Rotary(), backend="triton"), q, k, v, grad_out)
-    torch.testing.assert_close(out.detach(), expected[0])
-    torch.testing.assert_close(dqkv, torch.stack(expected[1:], dim=1))
+
+    def run(attention, mode=None):
+        leaf = packed.detach().requires_grad_()
+        if mode is None:
+            out = attention(leaf)
+            return out.detach(), torch.autograd.grad(out, leaf, grad_out)[0]
+        with mode:
+            out = attention(leaf)
+            backward_start = len(mode.names)
+            (dqkv,) = torch.autograd.grad(out, leaf, grad_out)
+        return out.detach(), dqkv, mode.names[backward_start:]
+
+    packed_call = lambda x: block_attention_qkv(x, offsets, rotary=rotary, backend="triton")  # noqa: E731
+    views_call = lambda x: block_attention(*x.unbind(1), offsets, rotary=rotary, backend="triton")  # noqa: E731
+    out, dqkv = run(packed_call)
+    out_views, dqkv_views = run(views_call)
+    assert torch.equal(out, out_views) and torch.equal(dqkv, dqkv_views)
+    out_op, dqkv_op, backward_ops = run(packed_call, _RecordOps())
+    assert torch.equal(out_op, out) and torch.equal(dqkv_op, dqkv)
+    assert "block_attention.triton_backward_qkv" in backward_ops
+    assert not {"aten.stack", "aten.cat", "aten.copy_"} & set(backward_ops), backward_ops
+    *_, views_backward_ops = run(views_call, _RecordOps())
+    assert "block_attention.triton_backward" in views_backward_ops
+    assert {"aten.stack", "aten.cat"} & set(views_backward_ops), views_backward_ops
+    with pytest.raises(ValueError, match="qkv must be \\(total_tokens, 3, heads, head_dim\\)"):
+        block_attention_qkv(q, offsets, backend="triton")
+
+
+def test_packed_qkv_on_a_backend_without_packed_ops_runs_its_views():
+    """The reference (plain PyTorch ops) has no packed ops: block_attention_qkv runs it on qkv's views."""
+    q, k, v, offsets, grad_out = _inputs(LENGTHS, 32, torch.float32, seed=6)
+    packed = torch.stack((q, k, v), dim=1)
+    assert get_backend("reference").run_qkv is None and get_backend("fa2").run_qkv is None
+    assert get_backend("triton").run_qkv is not None
+    results = []
+    for attention in (lambda x: block_attention_qkv(x, offsets, rotary=Rotary(), backend="reference"),
+                      lambda x: block_attention(*x.unbind(1), offsets, rotary=Rotary(), backend="reference")):
+        leaf = packed.detach().requires_grad_()
+        out = attention(leaf)
+        results.append((out.detach(), *torch.autograd.grad(out, leaf, grad_out)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_inputs_of_different_strides_are_copied_before_the_op():
@@ -141,6 +192,10 @@ def test_custom_ops_pass_opcheck():
         torch.library.opcheck(backend.ops.forward_op, (*leaves, *table.tensors(), cos, sin, True, ""))
     out = backend.run(q, k, v, table, cos, sin, True, "")
     torch.library.opcheck(backend.ops.backward_op, (grad_out, q, k, v, *table.tensors(), cos, sin, True, "", [out]))
+    qkv = torch.stack((q, k, v), dim=1)
+    for packed in (qkv, qkv.clone().requires_grad_()):
+        torch.library.opcheck(backend.ops.forward_qkv_op, (packed, *table.tensors(), cos, sin, True, ""))
+    torch.library.opcheck(backend.ops.backward_qkv_op, (grad_out, qkv, *table.tensors(), cos, sin, True, "", [out]))
 
 
 def test_public_api_compiles_without_graph_breaks():
@@ -152,9 +207,14 @@ def test_public_api_compiles_without_graph_breaks():
     def layer(q, k, v):
         return block_attention(q, k, v, table, rotary=Rotary(rotate_v=True, cos=cos, sin=sin), backend="triton")
 
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
-    for name, a, b in zip(("out", "dq", "dk", "dv"), _run(compiled, q, k, v, grad_out), _run(layer, q, k, v, grad_out)):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+    def packed_layer(q, k, v):
+        return block_attention_qkv(torch.stack((q, k, v), dim=1), table, rotary=Rotary(rotate_v=True, cos=cos, sin=sin),
+                                   backend="triton")
+
+    for fn in (layer, packed_layer):
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+        for name, a, b in zip(("out", "dq", "dk", "dv"), _run(compiled, q, k, v, grad_out), _run(layer, q, k, v, grad_out)):
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
 
 
 def test_eager_calls_run_the_launchers_the_custom_ops_run():
