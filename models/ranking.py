@@ -124,6 +124,12 @@ class RankingModelConfig:
             projection) starts at zero weight and bias, so every layer starts as the identity and the model
             as its num_layers=0 ablation; the branches then grow from there (as ReZero and the zero-init
             residual of Goyal et al. start them), instead of first adding random mixing to every token.
+        residual_fp32: under autocast, keep the token stream between the layers (their residual
+            connections) in fp32, as autocast leaves it; False casts it to the autocast dtype (bf16) once
+            after the tokens are built, so every LayerNorm, residual add and their backward moves half the
+            bytes (Megatron-LM's default, fp32_residual_connection off). LayerNorm computes as autocast
+            runs it (in fp32 on CUDA); the final norm takes the stream back in fp32, so the readout and
+            the head stay fp32. Without autocast it changes nothing.
     """
 
     d_model: int = 64
@@ -150,6 +156,7 @@ class RankingModelConfig:
     head_layers: int = 1
     head_cross_layers: int = 0
     residual_init: Literal["default", "zero"] = "default"
+    residual_fp32: bool = True
 
     def __post_init__(self):
         check_choices(self)
@@ -381,9 +388,12 @@ class DenseTower(nn.Module):
         table = block_table(offsets, num_tokens)
         cos, sin = rotary_tables(self.rotary, offsets, num_tokens, self.config.head_dim)
         rotary = Rotary(rotate_v=self.config.rotate_v, cos=cos, sin=sin)
+        lowered = not self.config.residual_fp32 and torch.is_autocast_enabled(x.device.type)
+        if lowered:
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for layer in self.layers:
             x = layer(x, table, rotary)
-        x = self.final_norm(x)
+        x = self.final_norm(x.float() if lowered else x)
         # Mean over each sample's tokens (every sample has >= n_fixed >= 1); the pad sequence is dropped.
         summed = x.new_zeros(tokens.lengths.shape[0], x.shape[1]).index_add(0, tokens.sample_ids, x)
         pooled = summed[:-1] / tokens.lengths[:-1].clamp(min=1)[:, None].to(x.dtype)

@@ -310,6 +310,30 @@ def test_zero_residual_init_starts_as_the_ablation_without_attention_then_trains
     assert RankingModel(SCHEMA, CONFIG).tower.layers[0].out_proj.weight.abs().max() > 0
 
 
+def test_residual_stream_in_the_autocast_dtype_only_where_asked_and_only_between_the_layers():
+    """residual_fp32=False: under autocast the layers take and give the token stream in bf16, the final norm's
+    output and the head stay fp32 and the step trains; without autocast the switch changes no bit."""
+    batch = make_batch(clicks_lengths=[0, 70, 3], views_lengths=[2, 0, 5])
+    seen = {}
+    for residual_fp32 in (True, False):
+        torch.manual_seed(0)
+        model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, residual_fp32=residual_fp32, readout="fields"))
+        model.tower.layers[1].register_forward_pre_hook(lambda _, args: seen.update(layer_in=args[0].dtype))
+        model.tower.layers[1].register_forward_hook(lambda _, args, out: seen.update(layer_out=out.dtype))
+        model.tower.head.register_forward_pre_hook(lambda _, args: seen.update(head_in=args[0].dtype))
+        seen[residual_fp32, "plain"] = model(batch)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, _ = model(batch)
+            loss = model.loss(logits, batch.labels)
+        loss.backward()
+        stream = torch.float32 if residual_fp32 else torch.bfloat16
+        assert (seen["layer_in"], seen["layer_out"], seen["head_in"]) == (stream, stream, torch.float32)
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        seen[residual_fp32] = logits.float()
+    torch.testing.assert_close(seen[False], seen[True], atol=0.05, rtol=0)  # bf16 rounding of the stream only
+    assert torch.equal(seen[True, "plain"], seen[False, "plain"])
+
+
 def test_padding_the_token_count_changes_no_logit(model):
     """pad_tokens_to appends one sequence of pad tokens that no real token attends to and pooling drops."""
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
