@@ -7,6 +7,9 @@
 #   history_mean     ours with each history as one token, the mean of its items, model.net.history_tokens=mean,
 #                    and ours without the history feature beside it (history_mean; its item-token twin is
 #                    history_order's first group)
+#   no_attention     ours with history item tokens, and the same without attention layers (model.net.num_layers=0:
+#                    the items then reach the readout only through its mean), so what attention over the history
+#                    adds (no_attention)
 # Every model trains at the point its RecBole ML-1M tuning chose (benchmarks/results/quality_ml1m.md; ours from
 # quality_ml1m_retune.md, configs/movielens1m.yaml's), so each had the same budget, spent on the other protocol;
 # 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of the 800,164 training rows), 6 runs at a time. Block attention
@@ -28,7 +31,10 @@ for name in "$@"; do
                          --out /tmp/quality/history_order) ;;
     history_mean) args=(--data.max_history_len=256 --model.net.history_tokens=mean --variant no_history "$attn"
                         data.max_history_len=0 --out /tmp/quality/history_mean) ;;
-    *) echo "unknown comparison '$name': with_history, without_history, history_order or history_mean" >&2; exit 2 ;;
+    no_attention) args=(--data.max_history_len=256 --variant no_attention "$attn" model.net.num_layers=0
+                        --out /tmp/quality/no_attention) ;;
+    *) echo "unknown comparison '$name': with_history, without_history, history_order, history_mean or no_attention" >&2
+       exit 2 ;;
   esac
   echo "== $name"
   python3 train.py compare "${common[@]}" "${args[@]}" || status=1
