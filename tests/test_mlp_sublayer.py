@@ -154,6 +154,86 @@ def test_launch_overrides_change_the_tiling_not_the_result():
 
 
 @pytest.mark.parametrize("tokens", (1, 100, 300))
+def test_persistent_gemms_walk_every_tile_once(tokens):
+    """programs_per_sm > 0: a few programs (the interpreter counts 2 SMs) each walk many tiles of the "gemms"
+    plan's three Triton GEMMs, with masked edges, and give the one-program-a-tile result bit for bit (each
+    tile's math and partial sums are the same). Not for the "tiles" plan, nor negative."""
+    from kernels import sublayer_triton
+
+    leaves = _leaves(tokens, 32, 48, torch.float32, seed=11)
+    grad_y = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(12))
+    tiling = {"plan": "gemms", "block_m": 16, "block_n": 16}
+    one_a_tile = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton", launch={"fwd": tiling, "bwd": tiling}),
+                                leaves, grad_y)
+    persistent = {**tiling, "programs_per_sm": 1}
+    launched = []
+    real_launch = sublayer_triton.launch
+
+    def counting_launch(kernel, programs, *args, **kwargs):
+        launched.append((kernel.fn.__name__, programs))
+        return real_launch(kernel, programs, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sublayer_triton, "launch", counting_launch)
+        import kernels.mlp_sublayer_triton as mlp_triton
+        patch.setattr(mlp_triton, "launch", counting_launch)
+        walked = _out_and_grads(lambda *x: mlp_sublayer(*x, backend="triton", launch={
+            "fwd": persistent, "bwd": persistent}), leaves, grad_y)
+    for a, b in zip(walked, one_a_tile):
+        assert torch.equal(a, b)
+    programs = dict(launched)
+    assert {"_bias_gemm", "_residual_gemm", "_hidden_grad_gemm"} <= set(programs)
+    assert all(programs[name] <= sublayer_triton.INTERPRETER_SMS for name in ("_bias_gemm", "_residual_gemm",
+                                                                                "_hidden_grad_gemm"))
+    with pytest.raises(ValueError, match="programs_per_sm=1"):
+        mlp_sublayer(*leaves, backend="triton", launch={"fwd": {"plan": "tiles", "programs_per_sm": 1}})
+    with pytest.raises(ValueError, match="programs_per_sm=-1"):
+        mlp_sublayer(*leaves, backend="triton", launch={"bwd": {"programs_per_sm": -1}})
+
+
+_SM90_GEMMS_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.mlp_sublayer_triton import _hidden_grad_gemm
+from kernels.sublayer_triton import _bias_gemm, _residual_gemm
+
+bf16 = "*bf16"
+kernels = [
+    (_bias_gemm, dict(a_ptr=bf16, w_ptr=bf16, b_ptr=bf16, out_ptr=bf16, T="i32", N="i32"),
+     dict(K=256, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), 8),
+    (_residual_gemm, dict(a_ptr=bf16, w_ptr=bf16, b_ptr=bf16, x_ptr="*fp32", y_ptr="*fp32", T="i32", K="i32",
+                          x_stride="i32"), dict(D=256, BLOCK_M=128, BLOCK_K=64, GELU_PROLOGUE=True), 8),
+    (_hidden_grad_gemm, dict(grad_out_ptr=bf16, w2_ptr=bf16, hidden_ptr=bf16, grad_hidden_ptr=bf16,
+                             activation_ptr=bf16, db1_parts_ptr="*fp32", T="i32", H="i32"),
+     dict(D=256, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64), 4),
+]
+for fn, signature, constexprs, warps in kernels:
+    for persistent in (False, True):
+        values = dict(constexprs, DOT_PRECISION="tf32", PERSISTENT=persistent)
+        full = {**signature, **{name: "constexpr" for name in values}}
+        source = ASTSource(fn=fn, signature={name: full[name] for name in fn.arg_names}, constexprs=values)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
+        assert "wgmma" in compiled.asm["ptx"], (fn.__name__, persistent)
+        print(fn.__name__, persistent, "ok")
+"""
+
+
+def test_gemms_compile_for_sm90_one_program_a_tile_and_persistent():
+    """The "gemms" plan's three Triton GEMMs compile for an H100/H200 (sm_90, wgmma) at configs/gpu.yaml's width,
+    with and without the persistent tile loop, as a GPU run would (a process without the interpreter)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM90_GEMMS_SCRIPT], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count(" ok") == 6, proc.stdout
+
+
+@pytest.mark.parametrize("tokens", (1, 100, 300))
 def test_plans_agree(tokens):
     """The "gemms" plans (GEMMs with the elementwise work in their prologues and epilogues, cuBLAS,
     LayerNorm kernels) compute what the "tiles" plans (token-tile kernels) do, in fp32 up to
