@@ -450,3 +450,24 @@ def test_checkpoint_from_before_the_network_was_named_net_loads(tmp_path):
     fresh.load_state_dict(checkpoint["state_dict"])
     for key, value in fresh.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compile,mode,replays", [
+    (False, "reduce-overhead", False), (True, "default", False), (True, "reduce-overhead", True),
+    (True, "max-autotune", True), (True, "max-autotune-no-cudagraphs", False),
+])
+def test_steps_are_marked_for_cuda_graphs_in_the_modes_that_record_them(tmp_path, compile, mode, replays, monkeypatch):
+    """torch.compile's reduce-overhead and max-autotune modes record CUDA graphs, whose outputs the next replay
+    overwrites: every training and scoring step then starts with cudagraph_mark_step_begin, and only then."""
+    from data.datamodule import CTRDataModule
+
+    data = CTRDataModule(data_dir=str(tmp_path), num_train=64, num_val=32, batch_size=32, vocab_size=50,
+                         num_items=50, max_history_len=16)
+    net = train.RankingModelConfig(d_model=32, embedding_dim=8, num_layers=1, compile=compile, compile_mode=mode)
+    task = train.RankingTask(data.schema.to_dict(), net)
+    assert task.replays_cuda_graphs == replays
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(task.net, "forward", lambda batch: (torch.zeros(2), 0))
+    task.forward(SimpleNamespace(labels=torch.zeros(2)))
+    assert len(marks) == int(replays)
