@@ -18,7 +18,6 @@ from .block_attention_tlx import HAS_TLX, SM90_MAX_SMEM, config_smem_bytes, tlx_
 if HAS_TLX:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from .attention_sublayer_tlx import _tlx_attention_sublayer_bwd, _tlx_attention_sublayer_fwd
     from .mlp_sublayer_tlx import _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
@@ -93,6 +92,23 @@ def mlp_aot_configs() -> list[MlpAotConfig]:
             for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes]
 
 
+def ast_source(fn, signature: dict, constexprs: dict, divisible) -> "ASTSource":
+    """What a launch of `fn` compiles: `signature` (argument -> Triton type) completed by `constexprs`'
+    names, checked against fn's arguments and put in their order, with the arguments named in `divisible`
+    16-divisible, as a launch specializes pointers from torch's allocator (16-byte aligned) and such
+    strides. For any Triton kernel, TLX or not."""
+    from triton.compiler import ASTSource
+
+    signature = dict(signature)
+    for name in constexprs:
+        signature.setdefault(name, "constexpr")
+    assert set(signature) == set(fn.arg_names), (
+        f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
+    signature = {name: signature[name] for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
 def _mlp_source(cfg: MlpAotConfig):
     D, chunk, dt = cfg.d_model, mlp_sublayer_tlx.BLOCK_H, cfg.dtype
     constexprs = dict(D=D, **cfg.knobs)
@@ -109,15 +125,9 @@ def _mlp_source(cfg: MlpAotConfig):
                          grad_y_ptr=f"*{cfg.x_dtype}", x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32",
                          norm_bias_ptr="*fp32", mean_ptr="*fp32", rstd_ptr="*fp32", grad_normed_ptr="*fp32",
                          normed_ptr=f"*{dt}", db1_parts_ptr="*fp32", T="i32", H="i32", grad_y_stride="i32")
-    for name in constexprs:
-        signature.setdefault(name, "constexpr")
-    assert set(signature) == set(fn.arg_names), (
-        f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
-    signature = {name: signature[name] for name in fn.arg_names}
     # Pointers from torch's allocator are 16-byte aligned; H (and a contiguous dY's stride) are multiples of 64.
     divisible = [n for n in signature if n.endswith("_ptr")] + [n for n in ("H", "grad_y_stride") if n in signature]
-    attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return ast_source(fn, signature, constexprs, divisible)
 
 
 @dataclass(frozen=True)
@@ -180,15 +190,9 @@ def _attention_sublayer_source(cfg: AttentionSublayerAotConfig):
         # A None argument is a constexpr at launch time.
         signature.update(cos_ptr="constexpr", sin_ptr="constexpr")
         constexprs.update(cos_ptr=None, sin_ptr=None)
-    for name in constexprs:
-        signature.setdefault(name, "constexpr")
-    assert set(signature) == set(fn.arg_names), (
-        f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
-    signature = {name: signature[name] for name in fn.arg_names}
     # Pointers from torch's allocator are 16-byte aligned.
     divisible = [n for n in signature if n.endswith("_ptr") and signature[n] != "constexpr"]
-    attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return ast_source(fn, signature, constexprs, divisible)
 
 
 def aot_configs(dtypes=("bf16", "fp16")) -> list:
@@ -239,14 +243,8 @@ def _source(cfg: AotConfig):
     # num_blocks is the BlockTable's int64 scalar (kernels.blocks.block_table).
     signature.update(block_start_ptr="*i32", block_len_ptr="*i32", num_blocks_ptr="*i64", H="i32", stride_t="i32",
                      sm_scale="fp32")
-    for name in constexprs:
-        signature.setdefault(name, "constexpr")
-    assert set(signature) == set(fn.arg_names), (
-        f"signature out of date with {fn.__name__}: {sorted(set(fn.arg_names) ^ set(signature))}")
-    signature = {name: signature[name] for name in fn.arg_names}
     divisible = [*outs, "block_start_ptr", "block_len_ptr", "num_blocks_ptr", "stride_t"]
-    attrs = {(fn.arg_names.index(name), ): [["tt.divisibility", 16]] for name in divisible}
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return ast_source(fn, signature, constexprs, divisible)
 
 
 def compile_config(cfg: AotConfig):

@@ -20,6 +20,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$PWD" TORCHINDUCTOR_COMPIL
 GPU_DATA=(--config configs/gpu.yaml --data.data_dir=/tmp/data_cache)
 # The sharded path as the comparison's variant runs it: torchrec DMP, fbgemm's fused Adam on the tables.
 SHARDED_CONFIGS=(--config configs/sharded.yaml --config configs/sharded_adam.yaml)
+# benchmarks.profile_step as the profile steps run it: 131,072 training samples, 12 warmup steps, 6 timed, 6 profiled.
+PROFILE_STEP=(python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6)
 summary=()
 # Result files are named for the card that made them (h100, h200): a session asking for an H200 may get an H100.
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i 'h[0-9]00' | tr 'A-Z' 'a-z')
@@ -46,7 +48,7 @@ for s in "$@"; do
     parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ${PARITY_K:+-k "$PARITY_K"} ;;
     smoke) step smoke_${SMOKE_ATTN:-tlx} 300 python3 train.py "${GPU_DATA[@]}" --attn=${SMOKE_ATTN:-tlx} --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_$GPU" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
-    profile) step profile 530 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton fa2 reference --out "$OUT/profile_step_$GPU" ;;
+    profile) step profile 530 "${PROFILE_STEP[@]}" --attn tlx triton fa2 reference --out "$OUT/profile_step_$GPU" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
     # Variant rows: the "gemms" plan's GEMMs as persistent programs (programs_per_sm: k programs an SM walking the
     # tiles in one flattened loop) around the one-program-a-tile default, in the same run. (The tiles plans and
@@ -76,24 +78,21 @@ for s in "$@"; do
         tests/test_gpu_parity.py -k "${PARITY_K:-not blocks_plan}" ;;
     # The step with and without one fused sublayer (model.net.fused_mlp, model.net.fused_attention), back to back on one machine.
     profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
-        step profile_${switch}_$fused 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
-          --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx triton} --model.net.$switch=$fused \
+        step profile_${switch}_$fused 450 "${PROFILE_STEP[@]}" --attn ${PROFILE_ATTN:-tlx triton} --model.net.$switch=$fused \
           --out "$OUT/profile_step_${switch}_${fused}_$GPU"
       done ;;
     # The step with the fused attention sublayer's per-block plan (the triton and tlx backends'), beside profile_attention's runs.
-    profile_attention_blocks) step profile_attention_blocks 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
-        --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx triton --model.net.fused_attention=true \
+    profile_attention_blocks) step profile_attention_blocks 450 "${PROFILE_STEP[@]}" --attn tlx triton --model.net.fused_attention=true \
         --model.net.attention_sublayer_plan=blocks --out "$OUT/profile_step_fused_attention_blocks_$GPU" ;;
     # What Lightning's deterministic switch (torch.use_deterministic_algorithms) costs the tlx step.
-    profile_deterministic) step profile_deterministic 450 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 \
-        --data.num_val=2048 --warmup 12 --steps 6 --attn tlx --trainer.deterministic=true --out "$OUT/profile_step_deterministic_$GPU" ;;
+    profile_deterministic) step profile_deterministic 450 "${PROFILE_STEP[@]}" --attn tlx --trainer.deterministic=true --out "$OUT/profile_step_deterministic_$GPU" ;;
     # The sharded path (torchrec DMP on one GPU, fused Adam on the tables), for what it adds to the tlx
     # step: as configured (row_wise), and all table_wise (on one GPU it skips row_wise's bucketing);
     # each with the plain step and through torchrec's TrainPipelineSparseDist (sharding.pipeline).
-    profile_sharded) SHARDED=("${SHARDED_CONFIGS[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 --attn tlx)
+    profile_sharded)
       for variant in "" _table_wise; do for pipeline in "" _pipeline; do
         name=profile_sharded$variant$pipeline
-        step $name 300 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" "${SHARDED[@]}" ${variant:+--sharding.sharding_type=table_wise} \
+        step $name 300 "${PROFILE_STEP[@]}" "${SHARDED_CONFIGS[@]}" --attn tlx ${variant:+--sharding.sharding_type=table_wise} \
           ${pipeline:+--sharding.pipeline=true} --out "$OUT/profile_step_sharded$variant${pipeline}_$GPU"
       done; done ;;
     # Which Python lines read CUDA tensors back (each a host wait), unsharded and sharded tlx, 40 steps each.
@@ -104,8 +103,7 @@ for s in "$@"; do
     # as configs/gpu.yaml runs it (profile_c_path) and eager (profile_eager_c_path), PROFILE_ATTN (default tlx).
     profile_c_path|profile_eager_c_path) eager=(); [[ $s == profile_eager_c_path ]] && eager=(--model.net.compile=false --model.net.pad_tokens_to=0)
       for c in 0 1; do
-        step ${s}_$c 280 env $(c_path $c) python3 -m benchmarks.profile_step "${GPU_DATA[@]}" \
-          --data.num_train=131072 --data.num_val=2048 --warmup 12 --steps 6 "${eager[@]}" --attn ${PROFILE_ATTN:-tlx} \
+        step ${s}_$c 280 env $(c_path $c) "${PROFILE_STEP[@]}" "${eager[@]}" --attn ${PROFILE_ATTN:-tlx} \
           --out "$OUT/profile_step_${s#profile_}_${c}_$GPU"
       done ;;
     # The step of this tree against a base commit's, back to back on one machine (the ratio a change bought):
@@ -114,8 +112,8 @@ for s in "$@"; do
     profile_vs_base) rm -rf /tmp/base_tree && mkdir -p /tmp/base_tree && tar xJf .gpu/base_tree.tar.xz -C /tmp/base_tree
       for tree in base head; do
         dir=$PWD; [[ $tree == base ]] && dir=/tmp/base_tree
-        step profile_$tree 300 bash -c "cd $dir && python3 -m benchmarks.profile_step ${GPU_DATA[*]} --data.num_train=131072 \
-          --data.num_val=2048 --warmup 12 --steps 6 --attn ${PROFILE_ATTN:-tlx} ${PROFILE_ARGS:-} --out $OUT/profile_step_${tree}_$GPU"
+        step profile_$tree 300 bash -c "cd $dir && ${PROFILE_STEP[*]} --attn ${PROFILE_ATTN:-tlx} ${PROFILE_ARGS:-} \
+          --out $OUT/profile_step_${tree}_$GPU"
       done ;;
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_$GPU" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;

@@ -194,9 +194,9 @@ def test_persistent_gemms_walk_every_tile_once(tokens):
 _SM90_GEMMS_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kernels.mlp_sublayer_triton import _hidden_grad_gemm
 from kernels.sublayer_triton import _bias_gemm, _residual_gemm
+from kernels.tlx_aot import ast_source
 
 bf16 = "*bf16"
 kernels = [
@@ -211,8 +211,7 @@ kernels = [
 for fn, signature, constexprs, warps in kernels:
     for persistent in (False, True):
         values = dict(constexprs, DOT_PRECISION="tf32", PERSISTENT=persistent)
-        full = {**signature, **{name: "constexpr" for name in values}}
-        source = ASTSource(fn=fn, signature={name: full[name] for name in fn.arg_names}, constexprs=values)
+        source = ast_source(fn, signature, values, [name for name in signature if name.endswith("_ptr")])
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
         assert "wgmma" in compiled.asm["ptx"], (fn.__name__, persistent)
         print(fn.__name__, persistent, "ok")
