@@ -43,7 +43,6 @@ from .sublayer_triton import (
     launch,
     layer_norm_backward,
     layer_norm_forward,
-    persistent_programs,
     residual_gemm,
     rows_contiguous,
 )
@@ -133,26 +132,23 @@ def _hidden_grad_gemm(
     grad_out_ptr, w2_ptr, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
     T, H,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] tiles of dH = (dY · W2) * GELU'(pre-activation), with GELU's output (dW2's
-    operand) and dH's column sums (b1's gradient) from the same epilogue: the [T, H] product of the
-    first GEMM never reaches HBM, and the saved pre-activation is read once. Tiles to programs as
-    sublayer_triton's _bias_gemm; each tile writes its own partial sums."""
+    """One [BLOCK_M, BLOCK_N] tile of dH = (dY · W2) * GELU'(pre-activation), with GELU's output
+    (dW2's operand) and dH's column sums (b1's gradient) from the same epilogue: the [T, H] product
+    of the first GEMM never reaches HBM, and the saved pre-activation is read once."""
     dtype = w2_ptr.dtype.element_ty
-    tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(H, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=PERSISTENT):
-        acc, tile_m, rows64, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M,
-                                                                 BLOCK_N, BLOCK_K, DOT_PRECISION, tile)
-        # Loaded after the matmul, not before: held across it, it cost registers and ran slower on the H200.
-        offs = rows64[:, None] * H + hcols[None, :]
-        ok = row_ok[:, None] & hcol_ok[None, :]
-        hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        activation, gelu_grad = _gelu_and_grad(hidden)
-        tl.store(activation_ptr + offs, activation.to(dtype), mask=ok)
-        grad_hidden = (acc * gelu_grad).to(dtype)
-        tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
-        tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
+    acc, tile_m, rows64, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M, BLOCK_N,
+                                                             BLOCK_K, DOT_PRECISION)
+    # Loaded after the matmul, not before: held across it, it cost registers and ran slower on the H200.
+    offs = rows64[:, None] * H + hcols[None, :]
+    ok = row_ok[:, None] & hcol_ok[None, :]
+    hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    activation, gelu_grad = _gelu_and_grad(hidden)
+    tl.store(activation_ptr + offs, activation.to(dtype), mask=ok)
+    grad_hidden = (acc * gelu_grad).to(dtype)
+    tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
+    tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
 
 
 
@@ -172,9 +168,6 @@ class LaunchConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    # "gemms" only: 0 launches one program a tile; k > 0 launches k programs an SM, each walking tiles in
-    # one flattened loop (sublayer_triton.persistent_programs).
-    programs_per_sm: int = 0
 
 
 PLANS = ("tiles", "gemms")
@@ -200,10 +193,6 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
     plan = overrides.get("plan", DEFAULT_PLAN[direction])
     if plan not in PLANS:
         raise ValueError(f"unknown Triton mlp_sublayer {direction} plan {plan!r}; choose one of {PLANS}")
-    programs_per_sm = overrides.get("programs_per_sm", 0)
-    if programs_per_sm and plan != "gemms" or programs_per_sm < 0:
-        raise ValueError(f"Triton mlp_sublayer {direction} programs_per_sm={programs_per_sm}: the \"gemms\" plan's "
-                         f"GEMMs take 0 (a program a tile) or a positive count a SM")
     if plan == "gemms":
         # A GEMM's tiles, a 3-deep pipeline of its K steps. The forward's: 128 x 128 over 8 warps.
         # The backward's: 64 x 64 over 4: with K = d_model its epilogue (GELU and its derivative)
@@ -240,11 +229,9 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     launch_config("bwd", d_model, launch)  # a bad backward setting fails here, not in the backward pass
     if config.plan == "gemms":
         normed, mean, rstd = layer_norm_forward(x, norm_weight, norm_bias, eps, w1.dtype)
-        hidden = bias_gemm(normed, w1, b1, config.block_m, config.block_n, config.num_warps, config.num_stages,
-                           config.programs_per_sm)
+        hidden = bias_gemm(normed, w1, b1, config.block_m, config.block_n, config.num_warps, config.num_stages)
         # GELU runs on the saved pre-activation as the output GEMM loads it.
-        y = residual_gemm(hidden, w2, b2, x, True, config.block_m, config.num_warps, config.num_stages,
-                          config.programs_per_sm)
+        y = residual_gemm(hidden, w2, b2, x, True, config.block_m, config.num_warps, config.num_stages)
         return y, hidden, mean, rstd
     y = torch.empty((tokens, d_model), dtype=x.dtype, device=x.device)
     hidden = torch.empty((tokens, hidden_width), dtype=w1.dtype, device=x.device)
@@ -277,10 +264,9 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     if tokens:
         args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
         constexprs = dict(D=d_model, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=min(64, d_model),
-                          DOT_PRECISION=dot_precision(w1.dtype), PERSISTENT=config.programs_per_sm > 0)
-        tiles = row_tiles * triton.cdiv(hidden_width, config.block_n)
-        _launch(_hidden_grad_gemm, persistent_programs(tiles, config.programs_per_sm, x.device), x.device, config,
-                args, constexprs)
+                          DOT_PRECISION=dot_precision(w1.dtype))
+        _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config, args,
+                constexprs)
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -76,14 +76,14 @@ def _layer_norm_fwd_rows(
 
 @triton.jit
 def _gemm_tile(a_ptr, b_ptr, T, N, K: tl.constexpr, B_IS_NK: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, tile):
-    """[BLOCK_M, BLOCK_N] fp32 tile number `tile` of A [T, K] · B, B being Wᵀ of an nn.Linear
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] fp32 tile of A [T, K] · B, B being Wᵀ of an nn.Linear
     weight W [N, K] (B_IS_NK) or a [K, N] matrix itself; with its rows, columns and their masks.
-    The column tiles of one row tile are consecutive tiles: programs take them side by side and read
+    The column tiles of one row tile are consecutive programs: they run side by side and read
     their A rows from L2, not HBM."""
     column_tiles = tl.cdiv(N, BLOCK_N)
-    tile_m = tile // column_tiles
-    tile_n = tile % column_tiles
+    tile_m = tl.program_id(0) // column_tiles
+    tile_n = tl.program_id(0) % column_tiles
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -105,50 +105,44 @@ def _gemm_tile(a_ptr, b_ptr, T, N, K: tl.constexpr, B_IS_NK: tl.constexpr, BLOCK
 def _bias_gemm(
     a_ptr, w_ptr, b_ptr, out_ptr, T, N,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] tiles of A · Wᵀ + b (an nn.Linear: the MLP's pre-activation, the attention's
-    q, k, v), rounded to the compute dtype; a program takes every num_programs-th tile (one, unless
-    PERSISTENT: see persistent_programs)."""
+    """One [BLOCK_M, BLOCK_N] tile of A · Wᵀ + b (an nn.Linear: the MLP's pre-activation, the
+    attention's q, k, v), rounded to the compute dtype."""
     dtype = w_ptr.dtype.element_ty
-    tiles = tl.cdiv(T, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=PERSISTENT):
-        acc, _, rows64, row_ok, ncols, ncol_ok = _gemm_tile(a_ptr, w_ptr, T, N, K, True, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                            DOT_PRECISION, tile)
-        out = (acc + tl.load(b_ptr + ncols, mask=ncol_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
-        tl.store(out_ptr + rows64[:, None] * N + ncols[None, :], out, mask=row_ok[:, None] & ncol_ok[None, :])
+    acc, _, rows64, row_ok, ncols, ncol_ok = _gemm_tile(a_ptr, w_ptr, T, N, K, True, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                        DOT_PRECISION)
+    out = (acc + tl.load(b_ptr + ncols, mask=ncol_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+    tl.store(out_ptr + rows64[:, None] * N + ncols[None, :], out, mask=row_ok[:, None] & ncol_ok[None, :])
 
 
 @triton.jit
 def _residual_gemm(
     a_ptr, w_ptr, b_ptr, x_ptr, y_ptr, T, K, x_stride,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GELU_PROLOGUE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Tiles of BLOCK_M whole rows of y = x + (act(A) · Wᵀ + b), A [T, K], W [D, K]: with GELU_PROLOGUE,
-    GELU runs on A as it loads (the MLP's pre-activation), so its output never reaches HBM (all D
-    columns in one tile: once per element); the residual is the epilogue's. Tiles to programs as
-    _bias_gemm's."""
+    """BLOCK_M whole rows of y = x + (act(A) · Wᵀ + b), A [T, K], W [D, K]: with GELU_PROLOGUE, GELU
+    runs on A as it loads (the MLP's pre-activation), so its output never reaches HBM (all D columns
+    in one program: once per element); the residual is the epilogue's."""
     dtype = w_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
     cols = tl.arange(0, D)
-    for tile in tl.range(tl.program_id(0), tl.cdiv(T, BLOCK_M), tl.num_programs(0), flatten=PERSISTENT):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < T
-        rows64 = rows.to(tl.int64)
-        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            # BLOCK_K divides K (k_chunk): no column mask.
-            a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_ok[:, None], other=0.0)
-            if GELU_PROLOGUE:
-                a = _gelu(a.to(tl.float32)).to(dtype)
-            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None])  # Wᵀ [K, N]
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        # The linear's output is rounded to the compute dtype before the residual, as nn.Linear's is.
-        out = (acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows64[:, None] * D + cols[None, :], (x + out).to(y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        # BLOCK_K divides K (k_chunk): no column mask.
+        a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_ok[:, None], other=0.0)
+        if GELU_PROLOGUE:
+            a = _gelu(a.to(tl.float32)).to(dtype)
+        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None])  # Wᵀ [K, N]
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    # The linear's output is rounded to the compute dtype before the residual, as nn.Linear's is.
+    out = (acc + tl.load(b_ptr + cols).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows64[:, None] * D + cols[None, :], (x + out).to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -279,47 +273,27 @@ def layer_norm_forward(x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: to
     return normed, mean, rstd
 
 
-# The interpreter has no SMs to count: a persistent launch there takes this many programs a "SM", so
-# the tests see programs walk several tiles.
-INTERPRETER_SMS = 2
-
-
-def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
-    """How many programs a GEMM over `tiles` tiles launches: one a tile (programs_per_sm 0), or
-    programs_per_sm per SM, each walking every num_programs-th tile in one flattened loop, so the
-    compiler may load the next tile's operands while this one's epilogue runs (Triton's persistent
-    matmul)."""
-    if programs_per_sm <= 0:
-        return tiles
-    sms = INTERPRETER_SMS if _INTERPRETED or device.type != "cuda" else (
-        torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(tiles, programs_per_sm * sms)
-
-
 def bias_gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, block_m: int, block_n: int,
-              num_warps: int, num_stages: int, programs_per_sm: int = 0) -> torch.Tensor:
+              num_warps: int, num_stages: int) -> torch.Tensor:
     """a [T, K] · weightᵀ + bias (weight [N, K], contiguous, in the compute dtype), in that dtype."""
     tokens, k = a.shape
     n = weight.shape[0]
     out = torch.empty((tokens, n), dtype=weight.dtype, device=a.device)
     if tokens:
-        tiles = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
-        launch(_bias_gemm, persistent_programs(tiles, programs_per_sm, a.device), a.device,
-               (a, weight, bias, out, tokens, n),
+        programs = triton.cdiv(tokens, block_m) * triton.cdiv(n, block_n)
+        launch(_bias_gemm, programs, a.device, (a, weight, bias, out, tokens, n),
                dict(K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(64, k),
-                    DOT_PRECISION=dot_precision(weight.dtype), PERSISTENT=programs_per_sm > 0), num_warps, num_stages)
+                    DOT_PRECISION=dot_precision(weight.dtype)), num_warps, num_stages)
     return out
 
 
 def residual_gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, gelu_prologue: bool,
-                  block_m: int, num_warps: int, num_stages: int, programs_per_sm: int = 0) -> torch.Tensor:
+                  block_m: int, num_warps: int, num_stages: int) -> torch.Tensor:
     """x + (act(a) · weightᵀ + bias), a [T, K] contiguous, weight [D, K]: [T, D] in x's dtype."""
     tokens, k = a.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if tokens:
-        tiles = triton.cdiv(tokens, block_m)
-        launch(_residual_gemm, persistent_programs(tiles, programs_per_sm, x.device), x.device,
-               (a, weight, bias, x, y, tokens, k, x.stride(0)),
+        launch(_residual_gemm, triton.cdiv(tokens, block_m), x.device, (a, weight, bias, x, y, tokens, k, x.stride(0)),
                dict(D=x.shape[1], BLOCK_M=block_m, BLOCK_K=k_chunk(k), GELU_PROLOGUE=gelu_prologue,
-                    DOT_PRECISION=dot_precision(weight.dtype), PERSISTENT=programs_per_sm > 0), num_warps, num_stages)
+                    DOT_PRECISION=dot_precision(weight.dtype)), num_warps, num_stages)
     return y

@@ -50,13 +50,9 @@ for s in "$@"; do
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_$GPU" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     profile) step profile 530 "${PROFILE_STEP[@]}" --attn tlx triton fa2 reference --out "$OUT/profile_step_$GPU" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
-    # Variant rows: the "gemms" plan's GEMMs as persistent programs (programs_per_sm: k programs an SM walking the
-    # tiles in one flattened loop) around the one-program-a-tile default, in the same run. (The tiles plans and
-    # the tile-size and stage rows of mlp_sublayer_h200.md were slower than the default; not rerun.)
-    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_$GPU" --profile \
-        --variant triton_persistent_1 triton '{"fwd": {"programs_per_sm": 1}, "bwd": {"programs_per_sm": 1}}' \
-        --variant triton_persistent_2 triton '{"fwd": {"programs_per_sm": 2}, "bwd": {"programs_per_sm": 2}}' \
-        --variant triton_persistent_bwd_128 triton '{"bwd": {"programs_per_sm": 1, "block_m": 128, "block_n": 128, "num_warps": 8}}' ;;
+    # (Variant rows were all slower than the defaults: the tiles plans, tile sizes and stages in
+    # mlp_sublayer_h200.md, the GEMMs as persistent programs in mlp_sublayer_h100.md; pass --variant to add one.)
+    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_$GPU" --profile ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.
