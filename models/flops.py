@@ -18,7 +18,7 @@ import torch
 
 from data.schema import FeatureSchema
 from kernels import BLOCK_SIZE
-from models.ranking import RankingModelConfig, head_inputs
+from models.ranking import RankingModelConfig, head_inputs, readout_fields
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' datasheets, SXM parts: the
 # denominator of MFU. Lightning's table lists the H200's 2:4-sparse figure (2e15), twice this.
@@ -69,13 +69,22 @@ def forward_flops(config: RankingModelConfig, schema: FeatureSchema, history_len
     head_in = head_inputs(config, n_fixed)
     head = 2 * batch_size * (config.head_cross_layers * head_in**2 + head_in * hidden
                              + (config.head_layers - 1) * hidden**2 + hidden)
-    return dense_mlp + embedding_proj + config.num_layers * (projections + attention) + head + readout_dot_flops(
-        config, batch_size, n_fixed)
+    target_query = 2 * batch_size * d * d if config.target_attention_feature is not None else 0
+    return (dense_mlp + embedding_proj + config.num_layers * (projections + attention) + head + target_query
+            + readout_dot_flops(config, batch_size, n_fixed) + target_attention_flops(config, item_tokens))
 
 
 def readout_dot_flops(config: RankingModelConfig, batch_size: int, num_fixed_tokens: int) -> int:
-    """The "fields_dot" readout's dot products (a batched [n, d] x [d, n] product per sample, the whole square)."""
-    return 2 * batch_size * num_fixed_tokens**2 * config.d_model if config.readout == "fields_dot" else 0
+    """The "fields_dot" readout's dot products (a batched [n, d] x [d, n] product per sample over its n readout
+    fields, the whole square)."""
+    fields = readout_fields(config, num_fixed_tokens)
+    return 2 * batch_size * fields**2 * config.d_model if config.readout == "fields_dot" else 0
+
+
+def target_attention_flops(config: RankingModelConfig, item_tokens: int) -> int:
+    """Target attention's per-item products (elementwise, not matmuls): each item's score against its candidate's
+    query, and its weighted share of the pooled field (the query's projection is a matmul of the forward)."""
+    return 4 * item_tokens * config.d_model if config.target_attention_feature is not None else 0
 
 
 def train_step_flops(config: RankingModelConfig, schema: FeatureSchema, history_lengths: np.ndarray) -> int:

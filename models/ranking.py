@@ -113,6 +113,15 @@ class RankingModelConfig:
             the mean of its items' embeddings (torchrec's mean-pooled lookup, as the baselines read a
             history; an empty history gives a zero embedding), so every sample is its fixed tokens
             alone, the history's summary in the candidate's block.
+        target_attention_feature: target attention over the history (DIN's, Zhou et al. 2018), or None for
+            none. A categorical feature's name (the candidate item's, "item" in MovieLens' time split): that
+            feature's final token queries all of its sample's history item tokens, every block of them, not
+            only its own (one query a sample, so it costs O(items x d_model), not a block's square), and the
+            attention-weighted mean of those items' final tokens joins the readout as one more field (in
+            "fields"/"fields_dot" beside the fixed tokens, its dot with each of them included; beside the mean
+            under "mean"). Block attention lets an item meet the candidate only inside the candidate's
+            64-token block; this lets the candidate weigh every item of the history by its relevance to it.
+            Needs history_tokens "items"; a sample without history items gets a zero field.
         head_layers: hidden layers of the logit head's MLP, each mlp_ratio * d_model wide (DCNv2's over
             arch on MovieLens-1M, [256, 256], is 2 at d_model 64).
         head_cross_layers: DCNv2's cross layers on the readout before the head's MLP, x_{l+1} = x_0 *
@@ -153,6 +162,7 @@ class RankingModelConfig:
     token_init: Literal["unit_slots", "small_slots"] = "unit_slots"
     history_order: Literal["given", "reversed"] = "given"
     history_tokens: Literal["items", "mean"] = "items"
+    target_attention_feature: str | None = None
     head_layers: int = 1
     head_cross_layers: int = 0
     residual_init: Literal["default", "zero"] = "default"
@@ -176,6 +186,10 @@ class RankingModelConfig:
         if self.history_tokens == "mean" and self.history_order != "given":
             raise ValueError(f"history_order={self.history_order!r} orders history item tokens; history_tokens='mean' "
                              f"makes none (a mean has no order): leave history_order 'given'")
+        if self.target_attention_feature is not None and self.history_tokens != "items":
+            raise ValueError(f"target_attention_feature={self.target_attention_feature!r} attends over history item "
+                             f"tokens; history_tokens={self.history_tokens!r} makes none: set history_tokens 'items' "
+                             f"or target_attention_feature None")
         if self.pad_tokens_to < 0:
             raise ValueError(f"pad_tokens_to={self.pad_tokens_to} must be >= 0 (0: no padding)")
 
@@ -274,12 +288,17 @@ class AttentionLayer(nn.Module):
                             eps=self.mlp_norm.eps, backend=self.mlp_backend)
 
 
+def readout_fields(config: RankingModelConfig, num_fixed_tokens: int) -> int:
+    """The fields the readout sets side by side (beside the mean of all tokens): the fixed tokens under "fields"
+    and "fields_dot", then the target attention's pooled history where there is one."""
+    return (num_fixed_tokens if config.readout != "mean" else 0) + (config.target_attention_feature is not None)
+
+
 def head_inputs(config: RankingModelConfig, num_fixed_tokens: int) -> int:
     """The logit head's input width under config.readout."""
-    if config.readout == "mean":
-        return config.d_model
-    pairs = num_fixed_tokens * (num_fixed_tokens - 1) // 2 if config.readout == "fields_dot" else 0
-    return config.d_model * (num_fixed_tokens + 1) + pairs
+    fields = readout_fields(config, num_fixed_tokens)
+    pairs = fields * (fields - 1) // 2 if config.readout == "fields_dot" else 0
+    return config.d_model * (fields + 1) + pairs
 
 
 class DenseTower(nn.Module):
@@ -290,11 +309,17 @@ class DenseTower(nn.Module):
     makes one graph of it and CUDA graphs replay it: one launch instead of hundreds of small ops,
     and no matmul of a new shape per batch (whose cuBLAS heuristics cost host time)."""
 
-    def __init__(self, config: RankingModelConfig, num_dense: int, num_categorical: int, num_sequence: int):
+    def __init__(self, config: RankingModelConfig, num_dense: int, num_categorical: int, num_sequence: int,
+                 target_token: int | None = None):
+        """target_token: where config.target_attention_feature's token sits among a sample's fixed tokens."""
         super().__init__()
+        if (target_token is None) != (config.target_attention_feature is None):
+            raise ValueError(f"target_attention_feature={config.target_attention_feature!r} needs the index of its "
+                             f"token among the fixed ones (target_token={target_token!r})")
         self.config = config
         self.num_fixed_tokens = config.n_dense_tokens + num_categorical
         self.num_sequence = num_sequence
+        self.target_token = target_token
         d = config.d_model
         self.dense_mlp = mlp(max(num_dense, 1), config.mlp_ratio * d, config.n_dense_tokens * d)
         self.embedding_proj = nn.Linear(config.embedding_dim, d)
@@ -314,6 +339,8 @@ class DenseTower(nn.Module):
         self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
         self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(d)
+        # The candidate's token -> the query its history items' final tokens are scored against.
+        self.target_query = nn.Linear(d, d, bias=False) if target_token is not None else None
         head_in = head_inputs(config, self.num_fixed_tokens)
         self.head_cross = nn.ModuleList(nn.Linear(head_in, head_in) for _ in range(config.head_cross_layers))
         self.head = mlp(head_in, config.mlp_ratio * d, 1, hidden_layers=config.head_layers)
@@ -397,21 +424,43 @@ class DenseTower(nn.Module):
         # Mean over each sample's tokens (every sample has >= n_fixed >= 1); the pad sequence is dropped.
         summed = x.new_zeros(tokens.lengths.shape[0], x.shape[1]).index_add(0, tokens.sample_ids, x)
         pooled = summed[:-1] / tokens.lengths[:-1].clamp(min=1)[:, None].to(x.dtype)
-        if self.config.readout != "mean":
+        if self.config.readout != "mean" or self.target_query is not None:
             # Sample b's fixed tokens are its first n_fixed, from offsets[b].
             starts = tokens.offsets[:-2].long()
             fixed = x[starts[:, None] + torch.arange(self.num_fixed_tokens, device=x.device)]
-            head_input = [fixed.flatten(1), pooled]
+            fields = [fixed] if self.config.readout != "mean" else []
+            if self.target_query is not None:
+                fields.append(self.target_attention(x, tokens, fixed[:, self.target_token])[:, None])
+            fields = torch.cat(fields, dim=1)
+            head_input = [fields.flatten(1), pooled]
             if self.config.readout == "fields_dot":
                 # Scaled as attention's scores: after the final norm a token's norm is ~sqrt(d_model).
-                dots = torch.bmm(fixed, fixed.transpose(1, 2)) * fixed.shape[-1] ** -0.5
-                first, second = torch.triu_indices(self.num_fixed_tokens, self.num_fixed_tokens, 1, device=x.device)
+                dots = torch.bmm(fields, fields.transpose(1, 2)) * fields.shape[-1] ** -0.5
+                first, second = torch.triu_indices(fields.shape[1], fields.shape[1], 1, device=x.device)
                 head_input.append(dots[:, first, second])
             pooled = torch.cat(head_input, dim=1)
         crossed = pooled
         for cross in self.head_cross:
             crossed = pooled * cross(crossed) + crossed
         return self.head(crossed).squeeze(-1)
+
+    def target_attention(self, x: torch.Tensor, tokens: JaggedTokens, candidate: torch.Tensor) -> torch.Tensor:
+        """Each sample's history item tokens (rows of x) weighted by softmax over the sample's items of their
+        dot with its candidate's query, summed: [B, d_model]; zeros for a sample without items."""
+        batch_size, d = candidate.shape
+        query = self.target_query(candidate)
+        sample = tokens.sample_ids
+        position = torch.arange(x.shape[0], device=x.device) - tokens.offsets.long()[sample]
+        is_item = (position >= self.num_fixed_tokens) & (sample < batch_size)
+        sample = sample.clamp(max=batch_size - 1)  # the pad tokens' scores are masked out below
+        scores = ((x * query[sample]).sum(1) * d ** -0.5).masked_fill(~is_item, float("-inf"))
+        # Each sample's top score, subtracted for exp's range; softmax does not depend on it, so no gradient.
+        top = scores.detach().new_full((batch_size,), float("-inf")).scatter_reduce(0, sample, scores.detach(), "amax")
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no items: every exp is exp(-inf) = 0
+        weights = torch.exp(scores - top[sample])
+        # A sample with items sums to >= 1 (its top item's exp(0)), so clamping at 1 changes only the empty ones.
+        total = weights.new_zeros(batch_size).index_add(0, sample, weights).clamp(min=1.0)
+        return x.new_zeros(batch_size, d).index_add(0, sample, weights[:, None] * x) / total[:, None]
 
 
 class RankingModel(nn.Module):
@@ -450,8 +499,17 @@ class RankingModel(nn.Module):
             )
         # A pooled history is one more categorical-like field to the tower, with a slot vector of its own.
         pooled_fields = len(schema.sequence) if self.pooled_history else 0
+        target_token = None
+        if config.target_attention_feature is not None:
+            if config.target_attention_feature not in self.categorical_names:
+                raise ValueError(f"target_attention_feature={config.target_attention_feature!r} is not a categorical "
+                                 f"feature of this data; it has {self.categorical_names}")
+            if not self.sequence_names:
+                raise ValueError(f"target_attention_feature={config.target_attention_feature!r} attends over history "
+                                 f"items, and this data has no sequence feature (e.g. max_history_len=0): set it None")
+            target_token = config.n_dense_tokens + self.categorical_names.index(config.target_attention_feature)
         self.tower = DenseTower(config, len(schema.dense), len(schema.categorical) + pooled_fields,
-                                len(schema.sequence) - pooled_fields)
+                                len(schema.sequence) - pooled_fields, target_token)
         if config.compile:
             # In place, so the state dict keeps its keys; the first batch compiles, later shapes reuse
             # the graph (dynamic shapes) or, under CUDA graphs, one recording per padded size.

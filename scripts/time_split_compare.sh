@@ -10,6 +10,8 @@
 #   no_attention     ours with history item tokens, and the same without attention layers (model.net.num_layers=0:
 #                    the items then reach the readout only through its mean), so what attention over the history
 #                    adds (no_attention)
+#   target_attention ours with target attention over its history item tokens (model.net.target_attention_feature=item),
+#                    with its attention layers and without them (target_attention)
 # Every model trains at the point its RecBole ML-1M tuning chose (benchmarks/results/quality_ml1m.md; ours from
 # quality_ml1m_retune.md, configs/movielens1m.yaml's), so each had the same budget, spent on the other protocol;
 # 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of the 800,164 training rows), 6 runs at a time. Block attention
@@ -33,7 +35,9 @@ for name in "$@"; do
                         data.max_history_len=0 --out /tmp/quality/history_mean) ;;
     no_attention) args=(--data.max_history_len=256 --variant no_attention "$attn" model.net.num_layers=0
                         --out /tmp/quality/no_attention) ;;
-    *) echo "unknown comparison '$name': with_history, without_history, history_order, history_mean or no_attention" >&2
+    target_attention) args=(--data.max_history_len=256 --model.net.target_attention_feature=item
+                            --variant target_no_layers "$attn" model.net.num_layers=0 --out /tmp/quality/target_attention) ;;
+    *) echo "unknown comparison '$name': with_history, without_history, history_order, history_mean, no_attention or target_attention" >&2
        exit 2 ;;
   esac
   echo "== $name"

@@ -8,7 +8,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from data.batch import Batch
 from models import RankingModel, RankingModelConfig
 from kernels.blocks import max_num_blocks
-from models.flops import block_length_square_sum, forward_flops, readout_dot_flops, train_step_flops, train_step_min_bytes
+from models.flops import (block_length_square_sum, forward_flops, readout_dot_flops, target_attention_flops, train_step_flops,
+                          train_step_min_bytes)
 from tests.test_model import SCHEMA, make_batch
 
 CONFIG = RankingModelConfig(d_model=32, num_heads=2, num_layers=2, mlp_ratio=2, embedding_dim=8, n_dense_tokens=2)
@@ -30,14 +31,16 @@ def test_block_length_square_sum_counts_partial_blocks():
 
 # fields: a wider head input; fields_dot: a bmm; history_tokens "mean": each history one fixed token, no item
 # tokens; head (hidden layers, cross layers): a deeper head and DCNv2 cross layers on the readout; layers 0: the
-# ablation without attention
-@pytest.mark.parametrize("readout, history_tokens, head, layers", [
-    ("mean", "items", (1, 0), 2), ("fields", "items", (1, 0), 2), ("fields_dot", "items", (1, 0), 2),
-    ("mean", "mean", (1, 0), 2), ("fields_dot", "mean", (1, 0), 2), ("mean", "items", (3, 0), 2),
-    ("fields_dot", "items", (2, 2), 2), ("fields_dot", "items", (1, 2), 0)])
-def test_matmul_flops_equal_pytorchs_count(readout, history_tokens, head, layers):
+# ablation without attention; target: target attention's query map, one more readout field and its per-item products
+@pytest.mark.parametrize("readout, history_tokens, head, layers, target", [
+    ("mean", "items", (1, 0), 2, None), ("fields", "items", (1, 0), 2, None), ("fields_dot", "items", (1, 0), 2, None),
+    ("mean", "mean", (1, 0), 2, None), ("fields_dot", "mean", (1, 0), 2, None), ("mean", "items", (3, 0), 2, None),
+    ("fields_dot", "items", (2, 2), 2, None), ("fields_dot", "items", (1, 2), 0, None),
+    ("mean", "items", (1, 0), 2, "ad"), ("fields_dot", "items", (1, 2), 2, "user")])
+def test_matmul_flops_equal_pytorchs_count(readout, history_tokens, head, layers, target):
     config = RankingModelConfig(**{**CONFIG.__dict__, "readout": readout, "history_tokens": history_tokens,
-                                   "head_layers": head[0], "head_cross_layers": head[1], "num_layers": layers})
+                                   "head_layers": head[0], "head_cross_layers": head[1], "num_layers": layers,
+                                   "target_attention_feature": target})
     model = RankingModel(SCHEMA, config)
     batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
     history = np.array([2, 70, 8, 108])
@@ -47,8 +50,11 @@ def test_matmul_flops_equal_pytorchs_count(readout, history_tokens, head, layers
     attention = 4 * config.d_model * block_length_square_sum(tokens)
     dots = readout_dot_flops(config, len(history), fixed)
     assert (dots > 0) == (readout == "fields_dot")
-    # Everything but attention and the readout's dots is exactly the counter's mm + addmm, forward and backward.
-    assert train_step_flops(config, SCHEMA, history) - 3 * (config.num_layers * attention + dots) == (
+    per_item = target_attention_flops(config, int(history.sum()))
+    assert per_item == (4 * config.d_model * history.sum() if target else 0)
+    # Everything but attention, the readout's dots and target attention's per-item products (elementwise ops
+    # here) is exactly the counter's mm + addmm, forward and backward.
+    assert train_step_flops(config, SCHEMA, history) - 3 * (config.num_layers * attention + dots + per_item) == (
         counts["mm"] + counts["addmm"])
 
 

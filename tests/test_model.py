@@ -351,13 +351,16 @@ def test_padding_the_token_count_changes_no_logit(model):
     assert padded_tokens.offsets[-1] == padded_tokens.num_tokens
 
 
-@pytest.mark.parametrize("readout", ["mean", "fields_dot"])  # fields_dot: the readout with the most ops
+# fields_dot: the readout with the most ops; "target": target attention's scatter ops under dynamic shapes
+@pytest.mark.parametrize("readout", ["mean", "fields_dot", "target"])
 def test_compiled_model_matches_eager_on_cpu(readout):
     """torch.compile of the token-interaction stack (inductor on CPU, reference attention), padded to
     a few token counts as the GPU config pads them: the same logits and gradients as eager."""
     torch.manual_seed(0)
-    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout))
-    compiled = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout, compile=True, pad_tokens_to=64))
+    config = dataclasses.replace(CONFIG, readout="fields_dot", target_attention_feature="ad") if readout == "target" \
+        else dataclasses.replace(CONFIG, readout=readout)
+    model = RankingModel(SCHEMA, config)
+    compiled = RankingModel(SCHEMA, dataclasses.replace(config, compile=True, pad_tokens_to=64))
     compiled.load_state_dict(model.state_dict())
     for seed, lengths in enumerate(([0, 70, 3, 100], [5, 1, 64, 0])):
         batch = make_batch(clicks_lengths=lengths, views_lengths=[2, 0, 5, 8], seed=seed)
@@ -482,34 +485,88 @@ def test_available_memory_reads_meminfo(tmp_path):
     assert memory.available_bytes(torch.device("cpu"), tmp_path / "none") is None
 
 
-@pytest.mark.parametrize("readout", ["fields", "fields_dot"])
-def test_fields_readout_reads_each_samples_fixed_tokens_and_mean(readout):
+@pytest.mark.parametrize("readout, target", [("fields", None), ("fields_dot", None), ("mean", "ad"),
+                                             ("fields", "ad"), ("fields_dot", "user")])
+def test_readout_reads_each_samples_fixed_tokens_target_attention_and_mean(readout, target):
     """readout="fields": the head reads sample b's fixed tokens after the final norm, side by side, then
     the mean of all its tokens, with the token count padded (a pad sequence after the samples);
-    "fields_dot" then also every pair's dot product / sqrt(d_model), pairs in row-major order."""
+    "fields_dot" then also every pair's dot product / sqrt(d_model), pairs in row-major order.
+    target_attention_feature: one more field after the fixed ones (the only one under "mean"), the softmax-
+    weighted sum of the sample's history item tokens, each weighted by its dot with the named feature's token
+    through the query map, / sqrt(d_model); zeros for the sample without history items."""
     torch.manual_seed(0)
-    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout, pad_tokens_to=64))
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout, pad_tokens_to=64,
+                                                     target_attention_feature=target))
     seen = {}
     model.tower.final_norm.register_forward_hook(lambda module, args, out: seen.update(x=out.detach()))
     model.tower.head.register_forward_pre_hook(lambda module, args: seen.update(head_input=args[0].detach()))
-    clicks, views = [0, 70, 3, 12], [2, 0, 5, 8]
+    clicks, views = [0, 70, 3, 12, 0], [2, 0, 5, 8, 0]
     logits, _ = model(make_batch(clicks_lengths=clicks, views_lengths=views))
     lengths = [FIXED_TOKENS + c + v for c, v in zip(clicks, views)]
     starts = torch.tensor([0, *lengths]).cumsum(0)
+    d = CONFIG.d_model
 
     def expected_row(start, length):
-        fixed = seen["x"][start:start + FIXED_TOKENS]
-        row = [fixed.flatten(), seen["x"][start:start + length].mean(0)]
+        tokens = seen["x"][start:start + length]
+        fields = list(tokens[:FIXED_TOKENS]) if readout != "mean" else []
+        if target is not None:
+            query = model.tower.target_query(tokens[CONFIG.n_dense_tokens + SCHEMA.categorical_names.index(target)])
+            items = tokens[FIXED_TOKENS:]
+            weights = torch.softmax(items @ query / d ** 0.5, 0)
+            fields.append(weights @ items if len(items) else torch.zeros(d))
+        row = [*fields, tokens.mean(0)]
         if readout == "fields_dot":
-            row.append(torch.stack([fixed[i] @ fixed[j] / CONFIG.d_model ** 0.5
-                                    for i in range(FIXED_TOKENS) for j in range(i + 1, FIXED_TOKENS)]))
-        return torch.cat(row)
+            row.append(torch.stack([fields[i] @ fields[j] / d ** 0.5
+                                    for i in range(len(fields)) for j in range(i + 1, len(fields))]))
+        return torch.cat(row).detach()
 
     expected = torch.stack([expected_row(start, length) for start, length in zip(starts.tolist(), lengths)])
-    pairs = FIXED_TOKENS * (FIXED_TOKENS - 1) // 2 if readout == "fields_dot" else 0
-    assert seen["head_input"].shape == (4, (FIXED_TOKENS + 1) * CONFIG.d_model + pairs)
+    num_fields = (FIXED_TOKENS if readout != "mean" else 0) + (target is not None)
+    pairs = num_fields * (num_fields - 1) // 2 if readout == "fields_dot" else 0
+    assert seen["head_input"].shape == (5, (num_fields + 1) * d + pairs)
     torch.testing.assert_close(seen["head_input"], expected)
-    assert logits.shape == (4,) and torch.isfinite(logits).all()
+    if target is not None:  # the empty history's field
+        empty = seen["head_input"][4, (num_fields - 1) * d:num_fields * d]
+        assert torch.equal(empty, torch.zeros(d))
+    assert logits.shape == (5,) and torch.isfinite(logits).all()
+
+
+def test_target_attention_trains_its_query_and_reads_every_block_of_the_history():
+    """The candidate's pooled field reads history items beyond its own 64-token block (which block attention
+    alone never lets it see): changing only an item in a sample's third block changes it, with no attention
+    layers at all; the query map gets a gradient."""
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, num_layers=0, readout="fields",
+                                                     target_attention_feature="ad"))
+    seen = []
+    model.tower.head.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    batch = make_batch(clicks_lengths=[100, 3], views_lengths=[8, 0])
+    logits, _ = model(batch)
+    model.loss(logits, batch.labels).backward()
+    assert model.tower.target_query.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        values = batch.sequence.values().clone()
+        values[90] = (values[90] + 1) % 17  # sample 0's click 90: token 94, block 1, not the candidate's block 0
+        changed = dataclasses.replace(batch, sequence=KeyedJaggedTensor(
+            keys=batch.sequence.keys(), values=values, lengths=batch.sequence.lengths(), stride=2))
+        model(changed)
+    target_field = slice(FIXED_TOKENS * CONFIG.d_model, (FIXED_TOKENS + 1) * CONFIG.d_model)
+    assert not torch.equal(seen[0][0, target_field], seen[1][0, target_field])
+    assert torch.equal(seen[0][1], seen[1][1])  # the other sample's row: its items did not change
+
+
+@pytest.mark.parametrize("config, schema, message", [
+    ({"target_attention_feature": "item"}, SCHEMA, r"'item' is not a categorical feature of this data; it has \['user', 'ad'\]"),
+    ({"target_attention_feature": "ad"}, dataclasses.replace(SCHEMA, sequence=()), "no sequence feature"),
+])
+def test_target_attention_names_a_categorical_feature_of_data_with_history(config, schema, message):
+    with pytest.raises(ValueError, match=message):
+        RankingModel(schema, dataclasses.replace(CONFIG, **config))
+
+
+def test_target_attention_needs_history_item_tokens():
+    with pytest.raises(ValueError, match="history_tokens='mean' makes none"):
+        RankingModelConfig(target_attention_feature="ad", history_tokens="mean")
 
 
 @pytest.mark.parametrize("token_init", ["unit_slots", "small_slots"])
