@@ -116,10 +116,10 @@ for s in "$@"; do
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
       # .gpu/compare_h200_runs.tgz and the comparison reuses its finished runs, training only the rest
       [[ -f .gpu/compare_h200_runs.tgz && ! -d /tmp/compare_h200 ]] && tar xzf .gpu/compare_h200_runs.tgz -C /tmp
-      # COMPARE_VARIANTS: the variant groups (default the bf16 token stream, whose loss parity decides whether
-      # configs/gpu.yaml takes it); 5 groups x 3 seeds take ~27 minutes of an H200, cold compiles included, so a
-      # session's device time holds 5 groups, not 6. One validation, at the end.
-      variants=${COMPARE_VARIANTS-"--variant tlx_bf16_residual tlx model.net.residual_fp32=false"}
+      # COMPARE_VARIANTS: the variant groups (default the fp32 token stream, against configs/gpu.yaml's bf16 one);
+      # 5 groups x 3 seeds take ~27 minutes of an H200, cold compiles included, so a session's device time holds
+      # 5 groups, not 6. One validation, at the end.
+      variants=${COMPARE_VARIANTS-"--variant tlx_fp32_residual tlx model.net.residual_fp32=true"}
       setsid nohup python3 train.py compare --attn ${COMPARE_ATTN:-tlx triton fa2 flex} $variants \
         "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=1000 > /tmp/compare_h200.log 2>&1 < /dev/null &
       summary+=("compare_start: started, log /tmp/compare_h200.log") ;;
