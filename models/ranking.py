@@ -113,8 +113,8 @@ class RankingModelConfig:
             the mean of its items' embeddings (torchrec's mean-pooled lookup, as the baselines read a
             history; an empty history gives a zero embedding), so every sample is its fixed tokens
             alone, the history's summary in the candidate's block.
-        target_attention_feature: target attention over the history (DIN's, Zhou et al. 2018), or None for
-            none. A categorical feature's name (the candidate item's, "item" in MovieLens' time split): that
+        target_attention_feature: target attention over the history (DIN's idea, Zhou et al. 2018, here as
+            scaled dot-product softmax attention with one query a sample), or None for none. A categorical feature's name (the candidate item's, "item" in MovieLens' time split): that
             feature's final token queries all of its sample's history item tokens, every block of them, not
             only its own (one query a sample, so it costs O(items x d_model), not a block's square), and the
             attention-weighted mean of those items' final tokens joins the readout as one more field (in
