@@ -47,6 +47,7 @@ from kernels import (
     mlp_sublayer,
     rotary_tables,
 )
+from kernels.rotary import token_positions
 from models.choices import check_choices
 
 
@@ -450,12 +451,12 @@ class DenseTower(nn.Module):
         batch_size, d = candidate.shape
         query = self.target_query(candidate)
         sample = tokens.sample_ids
-        position = torch.arange(x.shape[0], device=x.device) - tokens.offsets.long()[sample]
-        is_item = (position >= self.num_fixed_tokens) & (sample < batch_size)
+        is_item = (token_positions(tokens.offsets, x.shape[0]) >= self.num_fixed_tokens) & (sample < batch_size)
         sample = sample.clamp(max=batch_size - 1)  # the pad tokens' scores are masked out below
         scores = ((x * query[sample]).sum(1) * d ** -0.5).masked_fill(~is_item, float("-inf"))
         # Each sample's top score, subtracted for exp's range; softmax does not depend on it, so no gradient.
-        top = scores.detach().new_full((batch_size,), float("-inf")).scatter_reduce(0, sample, scores.detach(), "amax")
+        detached = scores.detach()
+        top = detached.new_full((batch_size,), float("-inf")).scatter_reduce(0, sample, detached, "amax")
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no items: every exp is exp(-inf) = 0
         weights = torch.exp(scores - top[sample])
         # A sample with items sums to >= 1 (its top item's exp(0)), so clamping at 1 changes only the empty ones.
