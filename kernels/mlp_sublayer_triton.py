@@ -128,9 +128,19 @@ def _mlp_sublayer_bwd_tiles(
 
 
 @triton.jit
-def _hidden_grad_epilogue(acc, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr, tile_m, rows64, row_ok,
-                          hcols, hcol_ok, H):
-    dtype = grad_hidden_ptr.dtype.element_ty
+def _hidden_grad_gemm(
+    grad_out_ptr, w2_ptr, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
+    T, H,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of dH = (dY · W2) * GELU'(pre-activation), with GELU's output
+    (dW2's operand) and dH's column sums (b1's gradient) from the same epilogue: the [T, H] product
+    of the first GEMM never reaches HBM, and the saved pre-activation is read once."""
+    dtype = w2_ptr.dtype.element_ty
+    acc, tile_m, rows64, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M, BLOCK_N,
+                                                             BLOCK_K, DOT_PRECISION)
+    # Loaded after the matmul, not before: held across it, it cost registers and ran slower on the H200.
     offs = rows64[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
     hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -140,42 +150,6 @@ def _hidden_grad_epilogue(acc, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_
     tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
     tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
 
-
-@triton.jit
-def _hidden_grad_gemm(
-    grad_out_ptr, w2_ptr, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
-    T, H,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, COLUMNS_PER_PROGRAM: tl.constexpr,
-):
-    """[BLOCK_M, COLUMNS_PER_PROGRAM] of dH = (dY · W2) * GELU'(pre-activation), in BLOCK_N-wide
-    tiles, with GELU's output (dW2's operand) and dH's column sums (b1's gradient) from the same
-    epilogue: the [T, H] product of the first GEMM never reaches HBM, and the saved pre-activation
-    is read once. A program of one tile streams its dY rows through K steps; a wider one loads its
-    [BLOCK_M, D] dY rows once and walks its tiles, reading dY from L2 once instead of once a tile."""
-    if COLUMNS_PER_PROGRAM == BLOCK_N:
-        acc, tile_m, rows64, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M,
-                                                                 BLOCK_N, BLOCK_K, DOT_PRECISION)
-        # The pre-activation is loaded after the matmul, not before: held across it, it cost registers
-        # and ran slower on the H200.
-        _hidden_grad_epilogue(acc, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr, tile_m, rows64,
-                              row_ok, hcols, hcol_ok, H)
-    else:
-        column_groups = tl.cdiv(H, COLUMNS_PER_PROGRAM)
-        tile_m = tl.program_id(0) // column_groups
-        first_column = (tl.program_id(0) % column_groups) * COLUMNS_PER_PROGRAM
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < T
-        rows64 = rows.to(tl.int64)
-        ks = tl.arange(0, D)
-        grad_out = tl.load(grad_out_ptr + rows64[:, None] * D + ks[None, :], mask=row_ok[:, None], other=0.0)
-        for n0 in range(0, COLUMNS_PER_PROGRAM, BLOCK_N):
-            hcols = first_column + n0 + tl.arange(0, BLOCK_N)
-            hcol_ok = hcols < H
-            w2 = tl.load(w2_ptr + ks[:, None] * H + hcols[None, :], mask=hcol_ok[None, :], other=0.0)
-            acc = tl.dot(grad_out, w2, input_precision=DOT_PRECISION)
-            _hidden_grad_epilogue(acc, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr, tile_m, rows64,
-                                  row_ok, hcols, hcol_ok, H)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,9 +168,6 @@ class LaunchConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    # Backward "gemms" only: how many hidden columns one program of the hidden-gradient GEMM covers, in
-    # block_n tiles (0: one tile).
-    columns_per_program: int = 0
 
 
 PLANS = ("tiles", "gemms")
@@ -238,11 +209,7 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
         wide = d_model >= 256
         default = LaunchConfig(plan=plan, block_m=128 if wide and direction == "fwd" else 64,
                                num_warps=8 if wide else 4)
-    config = replace(default, **overrides)
-    if config.columns_per_program % config.block_n or config.columns_per_program < 0:
-        raise ValueError(f"Triton mlp_sublayer {direction} columns_per_program {config.columns_per_program} must be "
-                         f"0 (one tile) or a positive multiple of block_n {config.block_n}")
-    return config
+    return replace(default, **overrides)
 
 
 def _constexprs(x: torch.Tensor, w1: torch.Tensor, config: LaunchConfig) -> dict:
@@ -296,10 +263,9 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=x.device)
     if tokens:
         args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
-        columns = config.columns_per_program or config.block_n
         constexprs = dict(D=d_model, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=min(64, d_model),
-                          DOT_PRECISION=dot_precision(w1.dtype), COLUMNS_PER_PROGRAM=columns)
-        _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, columns), x.device, config, args,
+                          DOT_PRECISION=dot_precision(w1.dtype))
+        _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config, args,
                 constexprs)
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
