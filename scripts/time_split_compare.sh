@@ -15,6 +15,8 @@
 #   with_history_target  every model with the history feature, as with_history, ours as target_attention found it
 #                    best (target attention, no attention layers), so all of them in one run
 #                    (time_split_history_target)
+#   without_history_target  the same without the history feature, ours without attention layers as there, so the
+#                    pair says what the history adds to each model (time_split_no_history_target)
 # Every model trains at the point its RecBole ML-1M tuning chose (benchmarks/results/quality_ml1m.md; ours from
 # quality_ml1m_retune.md, configs/movielens1m.yaml's), so each had the same budget, spent on the other protocol;
 # 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of the 800,164 training rows), 6 runs at a time. Block attention
@@ -40,9 +42,11 @@ for name in "$@"; do
                         --out /tmp/quality/no_attention) ;;
     with_history_target) args=(--data.max_history_len=256 --model.net.target_attention_feature=item --model.net.num_layers=0
                                "${baselines[@]}" --out /tmp/quality/time_split_history_target) ;;
+    without_history_target) args=(--data.max_history_len=0 --model.net.num_layers=0 "${baselines[@]}"
+                                  --out /tmp/quality/time_split_no_history_target) ;;
     target_attention) args=(--data.max_history_len=256 --model.net.target_attention_feature=item
                             --variant target_no_layers "$attn" model.net.num_layers=0 --out /tmp/quality/target_attention) ;;
-    *) echo "unknown comparison '$name': with_history, without_history, history_order, history_mean, no_attention, target_attention or with_history_target" >&2
+    *) echo "unknown comparison '$name': with_history, without_history, history_order, history_mean, no_attention, target_attention, with_history_target or without_history_target" >&2
        exit 2 ;;
   esac
   echo "== $name"
