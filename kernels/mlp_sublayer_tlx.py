@@ -20,7 +20,10 @@ The backward's token-tile kernel has the same shape (the producer also brings ea
 pre-activation chunk; dH, GELU's output and dLN leave by TMA or in 64-column slices), then the
 Triton LayerNorm-backward kernel and the two weight-gradient GEMMs of mlp_dispatch.py. It runs with
 the launch knob {"bwd": {"TRITON_BACKWARD": False}}; by default the backward is the Triton backend's
-(kernels/mlp_sublayer_triton.py, its default "gemms" plan; see tlx_mlp_config).
+(kernels/mlp_sublayer_triton.py, its default "gemms" plan; see tlx_mlp_config). With the knob
+{"bwd": {"TLX_HIDDEN_GRAD": True}} that plan's first GEMM (dH, GELU's output, b1's partial sums) is
+_tlx_hidden_grad_gemm: the same ring of W2 boxes and pre-activation chunks, no W1 and no dLN accumulator,
+so two consumers fit at every width.
 """
 
 import functools
@@ -57,7 +60,9 @@ BLOCK_H = 64
 MAX_STAGES = 4
 FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # TRITON_BACKWARD: the backward is the Triton backend's, with its default plan (kernels/mlp_sublayer_triton.py).
-BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD")
+# TLX_HIDDEN_GRAD: that backward with its hidden-gradient GEMM run by _tlx_hidden_grad_gemm instead
+# (NUM_STAGES / NUM_CONSUMERS then size that kernel's ring).
+BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD", "TLX_HIDDEN_GRAD")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
 # fbtriton 3.7's sm_90 builds allocate it (tests/test_tlx_aot.py holds this model to them).
 _SCRATCH_PER_CONSUMER = {64: 384, 128: 384, 256: 624}
@@ -77,6 +82,20 @@ def smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, backward: bool
     return (NUM_STAGES * slot + NUM_CONSUMERS * per_consumer) * elem_size + NUM_CONSUMERS * scratch
 
 
+# _tlx_hidden_grad_gemm's compiler scratch per consumer (fbtriton 3.7, sm_90; tests/test_tlx_aot.py holds it):
+# mostly its [64, D] dY rows' conversion to wgmma's register-A layout (64 * D * 2 bytes), then dH's column sums.
+_HIDDEN_GRAD_SCRATCH_PER_CONSUMER = {64: 16492, 128: 24684, 256: 41052}
+
+
+def hidden_grad_smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, elem_size: int = 2) -> int:
+    """Shared memory of one _tlx_hidden_grad_gemm program: a ring slot holds a W2 box [D, 64] and every
+    consumer's pre-activation chunk [64, 64]; each consumer stages its dH and GELU-output chunks for TMA."""
+    chunk = BLOCK_M * BLOCK_H
+    slot = BLOCK_H * d_model + NUM_CONSUMERS * chunk
+    return ((NUM_STAGES * slot + NUM_CONSUMERS * 2 * chunk) * elem_size
+            + NUM_CONSUMERS * _HIDDEN_GRAD_SCRATCH_PER_CONSUMER[d_model])
+
+
 def tlx_mlp_config(d_model: int, knob_items: tuple = (), backward: bool = False) -> dict:
     """Constexpr knobs of one direction, as sublayer_tlx.choose_ring picks them; `knob_items` (FWD_KNOBS /
     BWD_KNOBS) override them."""
@@ -92,12 +111,20 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
         raise ValueError(f"unknown TLX mlp_sublayer {'bwd' if backward else 'fwd'} tuning knobs {sorted(unknown)}; "
                          f"choose from {allowed}")
 
-    cfg = choose_ring(knobs, lambda stages, consumers: smem_bytes(d_model, stages, consumers, backward),
-                      MAX_STAGES, f"TLX mlp_sublayer {'bwd' if backward else 'fwd'} at d_model {d_model}")
+    hidden_grad = bool(knobs.get("TLX_HIDDEN_GRAD", False))
+    # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
+    # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
+    triton_backward = bool(knobs.get("TRITON_BACKWARD", True))
+    if hidden_grad and not triton_backward:
+        raise ValueError("TLX mlp_sublayer bwd: TLX_HIDDEN_GRAD replaces the hidden-gradient GEMM of the Triton "
+                         "backward's \"gemms\" plan, so it needs TRITON_BACKWARD true, not the TLX tile kernel")
+    if hidden_grad:
+        smem = lambda stages, consumers: hidden_grad_smem_bytes(d_model, stages, consumers)  # noqa: E731
+    else:
+        smem = lambda stages, consumers: smem_bytes(d_model, stages, consumers, backward)  # noqa: E731
+    cfg = choose_ring(knobs, smem, MAX_STAGES, f"TLX mlp_sublayer {'bwd' if backward else 'fwd'} at d_model {d_model}")
     if backward:
-        # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
-        # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
-        cfg["TRITON_BACKWARD"] = bool(knobs.get("TRITON_BACKWARD", True))
+        cfg.update(TRITON_BACKWARD=triton_backward, TLX_HIDDEN_GRAD=hidden_grad)
     return cfg
 
 
@@ -142,6 +169,39 @@ if HAS_TLX:
         tlx.fence_async_shared()
         tlx.async_descriptor_store(desc_hidden, hidden_buf, [row0, c * CHUNK])
         return acc
+
+    @triton.jit
+    def _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, slot, first_tile, h0,
+                            NUM_CONSUMERS: tl.constexpr, BLOCK: tl.constexpr):
+        """The producer's loads of every consumer's pre-activation chunk h0 into ring slot `slot` (its full
+        barrier's expected bytes count them); consumer c's tile is first_tile + c. Rows past T arrive as zeros
+        (TMA's fill) and are never stored."""
+        for c in tl.static_range(NUM_CONSUMERS):
+            tlx.async_descriptor_load(desc_hidden, hidden_bufs[slot * NUM_CONSUMERS + c],
+                                      [(first_tile + c) * BLOCK, h0], fulls[slot])
+
+    @triton.jit
+    def _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden, desc_activation,
+                              db1_parts_ptr, tile, c, T, H, dtype: tl.constexpr, BLOCK: tl.constexpr,
+                              CHUNK: tl.constexpr):
+        """Chunk c of a consumer's tile from dG = dY W2[:, chunk] and the pre-activation (fp32): dH and GELU's
+        output staged in SMEM (dH stays there as a wgmma operand) and stored by TMA, dH's column sums into
+        row `tile` of b1's partial sums."""
+        hcols = tl.arange(0, CHUNK)
+        row0 = tile * BLOCK
+        activation, gelu_grad = _gelu_and_grad(hidden)
+        grad_hidden = (grad_act * gelu_grad).to(dtype)
+        # The previous chunk's stores have read the staging tiles.
+        tlx.async_descriptor_store_wait(0)
+        tlx.local_store(grad_hidden_buf, grad_hidden)
+        tlx.local_store(activation_buf, activation.to(dtype))
+        tlx.fence_async_shared()
+        tlx.async_descriptor_store(desc_grad_hidden, grad_hidden_buf, [row0, c * CHUNK])
+        tlx.async_descriptor_store(desc_activation, activation_buf, [row0, c * CHUNK])
+        # Zero rows of dY (past T) give zero rows of dH, so the column sums need no row mask; a tile wholly
+        # past T (the second consumer's, when the tiles are odd) has no row of partial sums to write.
+        tl.store(db1_parts_ptr + tile * H + c * CHUNK + hcols, tl.sum(grad_hidden.to(tl.float32), 0),
+                 mask=(hcols < CHUNK) & (row0 < T))
 
     @triton.jit
     def _tlx_mlp_sublayer_fwd(
@@ -249,14 +309,11 @@ if HAS_TLX:
                     r = k // num_chunks
                     h0 = (k % num_chunks) * CHUNK
                     slot = k % NUM_STAGES
-                    # SLOT_BYTES counts these loads too.
+                    # SLOT_BYTES counts the pre-activation chunks too.
                     _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks, SLOT_BYTES,
                                        NUM_STAGES, CHUNK)
-                    for c in tl.static_range(NUM_CONSUMERS):
-                        # Rows past T arrive as zeros (TMA's fill) and are never stored.
-                        row0 = ((pid + r * nprog) * NUM_CONSUMERS + c) * BLOCK
-                        tlx.async_descriptor_load(desc_hidden, hidden_bufs[slot * NUM_CONSUMERS + c], [row0, h0],
-                                                  fulls[slot])
+                    _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, slot, (pid + r * nprog) * NUM_CONSUMERS, h0,
+                                        NUM_CONSUMERS, BLOCK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -297,24 +354,78 @@ if HAS_TLX:
                         grad_act = tlx.async_dot(grad_y_buf, w2_bufs[slot])
                         hidden = tlx.local_load(hidden_bufs[slot * NUM_CONSUMERS + cid]).to(tl.float32)
                         grad_act = tlx.async_dot_wait(0, grad_act)
-                        activation, gelu_grad = _gelu_and_grad(hidden)
-                        grad_hidden = (grad_act * gelu_grad).to(dtype)
-                        # The previous chunk's stores have read the staging tiles.
-                        tlx.async_descriptor_store_wait(0)
-                        tlx.local_store(grad_hidden_buf, grad_hidden)
-                        tlx.local_store(activation_buf, activation.to(dtype))
-                        tlx.fence_async_shared()
+                        _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden,
+                                              desc_activation, db1_parts_ptr, tile, c, T, H, dtype, BLOCK, CHUNK)
                         acc = tlx.async_dot(grad_hidden_buf, w1_bufs[slot], acc)
-                        tlx.async_descriptor_store(desc_grad_hidden, grad_hidden_buf, [row0, c * CHUNK])
-                        tlx.async_descriptor_store(desc_activation, activation_buf, [row0, c * CHUNK])
-                        # Zero rows of dY (past T) give zero rows of dH, so the column sums need no row
-                        # mask; a tile wholly past T (the second consumer's, when the tiles are odd) has
-                        # no row of partial sums to write.
-                        tl.store(db1_parts_ptr + tile * H + c * CHUNK + hcols, tl.sum(grad_hidden.to(tl.float32), 0),
-                                 mask=(hcols < CHUNK) & (row0 < T))
                         acc = tlx.async_dot_wait(0, acc)
                         tlx.barrier_arrive(empties[slot], 1)
                     _store_accumulator(grad_normed_ptr, acc, rows64, row_ok, D)
+                tlx.async_descriptor_store_wait(0)
+
+    @triton.jit
+    def _tlx_hidden_grad_gemm(
+        desc_w2, desc_hidden, desc_grad_hidden, desc_activation, grad_out_ptr, db1_parts_ptr,
+        T, H,
+        D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+    ):
+        """The "gemms" backward's first GEMM, warp-specialized: per 64-token tile and hidden chunk,
+        dH = (dY W2[:, chunk]) * GELU'(pre-activation), GELU(pre-activation) (dW2's operand) and dH's column
+        sums (b1's gradient). The producer streams each chunk's W2 box and every consumer's pre-activation
+        chunk through the ring; a consumer holds its [64, D] dY rows in registers (wgmma's A) for all the
+        chunks of its tile, and its dH and GELU chunks leave by TMA while the other consumer's wgmma runs.
+        The Triton kernel it replaces (_hidden_grad_gemm) runs load, matmul and epilogue in turn."""
+        BLOCK: tl.constexpr = 64
+        CHUNK: tl.constexpr = 64
+        dtype: tl.constexpr = tlx.dtype_of(desc_w2)
+        SLOT_BYTES: tl.constexpr = (CHUNK * D + NUM_CONSUMERS * BLOCK * CHUNK) * tlx.size_of(dtype)
+
+        w2_bufs = tlx.local_alloc((D, CHUNK), dtype, NUM_STAGES)
+        hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_STAGES * NUM_CONSUMERS)
+        grad_hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
+        activation_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
+        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
+        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
+
+        with tlx.async_tasks():
+            with tlx.async_task("default"):
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
+                num_chunks = H // CHUNK
+                for k in range(0, n_rounds * num_chunks):
+                    r = k // num_chunks
+                    h0 = (k % num_chunks) * CHUNK
+                    slot = k % NUM_STAGES
+                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
+                    tlx.barrier_wait(empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
+                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
+                    tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
+                    _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, slot, (pid + r * nprog) * NUM_CONSUMERS, h0,
+                                        NUM_CONSUMERS, BLOCK)
+
+            with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
+                cid: tl.constexpr = tlx.async_task_replica_id()
+                cols = tl.arange(0, D)
+                grad_hidden_buf = grad_hidden_bufs[cid]
+                activation_buf = activation_bufs[cid]
+                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
+                num_chunks = H // CHUNK
+                for r in range(0, n_rounds):
+                    tile = (pid + r * nprog) * NUM_CONSUMERS + cid
+                    rows = tile * BLOCK + tl.arange(0, BLOCK)
+                    row_ok = rows < T
+                    grad_out = tl.load(grad_out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :],
+                                       mask=row_ok[:, None], other=0.0)
+                    for c in range(0, num_chunks):
+                        k = r * num_chunks + c
+                        slot = k % NUM_STAGES
+                        tlx.barrier_wait(fulls[slot], (k // NUM_STAGES) & 1)
+                        grad_act = tlx.async_dot(grad_out, w2_bufs[slot])
+                        hidden = tlx.local_load(hidden_bufs[slot * NUM_CONSUMERS + cid]).to(tl.float32)
+                        grad_act = tlx.async_dot_wait(0, grad_act)
+                        # The slot's W2 box and pre-activation chunk are read: the producer may refill it.
+                        tlx.barrier_arrive(empties[slot], 1)
+                        _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden,
+                                              desc_activation, db1_parts_ptr, tile, c, T, H, dtype, BLOCK, CHUNK)
+                # SMEM must outlive the last stores' read of it.
                 tlx.async_descriptor_store_wait(0)
 
 
@@ -358,15 +469,16 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
     hidden_width = w1.shape[0]
     overrides = launch_overrides(launch, "bwd")
     cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())), backward=True)
+    hidden_grad = functools.partial(_hidden_grad, cfg=cfg) if cfg.pop("TLX_HIDDEN_GRAD") else None
     if cfg.pop("TRITON_BACKWARD"):
-        return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "")
+        return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "",
+                                hidden_grad=hidden_grad)
     x, grad_y = x.contiguous(), grad_y.contiguous()
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     device, dtype = x.device, w1.dtype
     # At least one tile of rows under every TMA-tiled tensor (a box may not exceed its tensor).
     rows = max(tokens, BLOCK_M)
-    if hidden.shape[0] < rows or hidden.stride(0) != hidden_width:
-        hidden = torch.cat([hidden, hidden.new_zeros(rows - tokens, hidden_width)]) if tokens < rows else hidden.contiguous()
+    hidden = _padded_rows(hidden)
     grad_hidden_rows = torch.empty((rows, hidden_width), dtype=dtype, device=device)
     activation_rows = torch.empty_like(grad_hidden_rows)
     normed = torch.empty((tokens, d_model), dtype=dtype, device=device)
@@ -389,6 +501,40 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
             )
     column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx)
     return dx, grad_y.to(dtype), grad_hidden_rows[:tokens], activation_rows[:tokens], normed, db1_parts, column_parts
+
+
+def _padded_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [T, H] with contiguous rows and at least one tile of them: a TMA box may not exceed the tensor it
+    tiles (the added rows are zeros, read as rows past T are)."""
+    tokens, width = t.shape
+    if tokens < BLOCK_M:
+        return torch.cat([t, t.new_zeros(BLOCK_M - tokens, width)])
+    return t if t.stride(0) == width and t.stride(1) == 1 else t.contiguous()
+
+
+def _hidden_grad(grad_out, w2, hidden, cfg):
+    """_tlx_hidden_grad_gemm in place of the Triton backward's _hidden_grad_gemm (knob TLX_HIDDEN_GRAD):
+    (grad_hidden, activation, db1_parts) of that GEMM, dH's column sums per 64-token tile."""
+    tokens, d_model = grad_out.shape
+    hidden_width = w2.shape[1]
+    device, dtype = grad_out.device, w2.dtype
+    rows = max(tokens, BLOCK_M)
+    grad_hidden_rows = torch.empty((rows, hidden_width), dtype=dtype, device=device)
+    activation_rows = torch.empty_like(grad_hidden_rows)
+    db1_parts = torch.zeros((triton.cdiv(tokens, BLOCK_M), hidden_width), dtype=torch.float32, device=device)
+    if tokens:
+        groups = triton.cdiv(triton.cdiv(tokens, BLOCK_M), cfg["NUM_CONSUMERS"])
+        with torch.cuda.device(device):
+            chunk = dict(shape=[tokens, hidden_width], strides=[hidden_width, 1], block_shape=[BLOCK_M, BLOCK_H])
+            descs = (
+                TensorDescriptor(w2, shape=list(w2.shape), strides=[w2.stride(0), 1], block_shape=[d_model, BLOCK_H]),
+                TensorDescriptor(_padded_rows(hidden), **chunk), TensorDescriptor(grad_hidden_rows, **chunk),
+                TensorDescriptor(activation_rows, **chunk),
+            )
+            _tlx_hidden_grad_gemm[(max(1, min(_num_sms(device), groups)),)](
+                *descs, grad_out, db1_parts, tokens, hidden_width, D=d_model, num_warps=4, num_stages=1, **cfg,
+            )
+    return grad_hidden_rows[:tokens], activation_rows[:tokens], db1_parts
 
 
 _run_ops = mlp_kernel_ops("tlx", _forward, _backward)

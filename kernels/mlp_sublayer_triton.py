@@ -244,29 +244,42 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     return y, hidden, mean, rstd
 
 
-def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
+def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch, hidden_grad=None):
+    """hidden_grad: another backend's hidden-gradient GEMM in place of this one's (the "gemms" plan only),
+    called as hidden_grad(grad_out, w2, hidden) -> (grad_hidden, activation, db1_parts)."""
     x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     config = launch_config("bwd", x.shape[1], launch)
-    plan = _backward_gemms if config.plan == "gemms" else _backward_tiles
-    return plan(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config)
+    if config.plan == "gemms":
+        hidden_grad = hidden_grad or functools.partial(_hidden_grad, config=config)
+        return _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, hidden_grad)
+    if hidden_grad is not None:
+        raise ValueError(f"another hidden-gradient GEMM replaces the \"gemms\" plan's; the backward plan is {config.plan!r}")
+    return _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config)
 
 
-def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config):
-    tokens, d_model = x.shape
-    hidden_width = w1.shape[0]
-    # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
-    grad_out = grad_y.to(w1.dtype).contiguous()
-    grad_hidden = torch.empty((tokens, hidden_width), dtype=w1.dtype, device=x.device)
+def _hidden_grad(grad_out, w2, hidden, config):
+    """dH = (dY · W2) * GELU'(pre-activation), GELU's output and dH's per-tile column sums, by _hidden_grad_gemm."""
+    tokens, d_model = grad_out.shape
+    hidden_width = w2.shape[1]
+    grad_hidden = torch.empty((tokens, hidden_width), dtype=w2.dtype, device=grad_out.device)
     activation = torch.empty_like(grad_hidden)
     row_tiles = triton.cdiv(tokens, config.block_m)
-    db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=x.device)
+    db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=grad_out.device)
     if tokens:
         args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
         constexprs = dict(D=d_model, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=min(64, d_model),
-                          DOT_PRECISION=dot_precision(w1.dtype))
-        _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), x.device, config, args,
-                constexprs)
+                          DOT_PRECISION=dot_precision(w2.dtype))
+        _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), grad_out.device, config,
+                args, constexprs)
+    return grad_hidden, activation, db1_parts
+
+
+def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, hidden_grad):
+    tokens, d_model = x.shape
+    # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
+    grad_out = grad_y.to(w1.dtype).contiguous()
+    grad_hidden, activation, db1_parts = hidden_grad(grad_out, w2, hidden)
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)

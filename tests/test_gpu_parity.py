@@ -166,7 +166,8 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
 
 # The TLX kernels' tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS).
 TLX_MLP_VARIANTS = {"one_consumer": {"fwd": {"NUM_CONSUMERS": 1}},
-                    "tlx_tiles_backward": {"bwd": {"TRITON_BACKWARD": False}}}
+                    "tlx_tiles_backward": {"bwd": {"TRITON_BACKWARD": False}},
+                    "tlx_hidden_grad": {"bwd": {"TLX_HIDDEN_GRAD": True}}}
 
 
 @pytest.mark.parametrize("dtypes", ("bf16", "fp32_x_bf16_matmul"))
