@@ -254,7 +254,8 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
         hidden_grad = hidden_grad or functools.partial(_hidden_grad, config=config)
         return _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, hidden_grad)
     if hidden_grad is not None:
-        raise ValueError(f"another hidden-gradient GEMM replaces the \"gemms\" plan's; the backward plan is {config.plan!r}")
+        raise ValueError(f"another hidden-gradient GEMM replaces the \"gemms\" plan's; the backward plan is "
+                         f"{config.plan!r}")
     return _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config)
 
 
