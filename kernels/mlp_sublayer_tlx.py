@@ -469,8 +469,10 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
     hidden_width = w1.shape[0]
     overrides = launch_overrides(launch, "bwd")
     cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())), backward=True)
-    hidden_grad = functools.partial(_hidden_grad, cfg=cfg) if cfg.pop("TLX_HIDDEN_GRAD") else None
-    if cfg.pop("TRITON_BACKWARD"):
+    # Host-side choices, not kernel constexprs: taken out before cfg reaches a launch.
+    tlx_hidden_grad, triton_backward = cfg.pop("TLX_HIDDEN_GRAD"), cfg.pop("TRITON_BACKWARD")
+    if triton_backward:
+        hidden_grad = functools.partial(_hidden_grad, cfg=cfg) if tlx_hidden_grad else None
         return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "",
                                 hidden_grad=hidden_grad)
     x, grad_y = x.contiguous(), grad_y.contiguous()
