@@ -143,15 +143,16 @@ if HAS_TLX:
     def _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks,
                            SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNK: tl.constexpr):
         """The producer's step k: waits for ring slot k % NUM_STAGES to be free, then loads hidden chunk
-        k % num_chunks's W1 box [CHUNK, D] and W2 box [D, CHUNK] into it. The slot's full barrier
-        expects SLOT_BYTES, so a caller may add loads of its own to the slot."""
+        k % num_chunks's W1 box [CHUNK, D] (unless desc_w1 is None) and W2 box [D, CHUNK] into it. The
+        slot's full barrier expects SLOT_BYTES, so a caller may add loads of its own to the slot."""
         h0 = (k % num_chunks) * CHUNK
         slot = k % NUM_STAGES
         phase = (k // NUM_STAGES) & 1
         # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
         tlx.barrier_wait(empties[slot], phase ^ 1)
         tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-        tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
+        if desc_w1 is not None:
+            tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
         tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
 
     @triton.jit
@@ -179,6 +180,23 @@ if HAS_TLX:
         for c in tl.static_range(NUM_CONSUMERS):
             tlx.async_descriptor_load(desc_hidden, hidden_bufs[slot * NUM_CONSUMERS + c],
                                       [(first_tile + c) * BLOCK, h0], fulls[slot])
+
+    @triton.jit
+    def _backward_producer(desc_w1, desc_w2, desc_hidden, w1_bufs, w2_bufs, hidden_bufs, fulls, empties, T, H,
+                           SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
+                           BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        """A backward kernel's producer: for each round's tiles and hidden chunk, the chunk's weight boxes
+        (no W1 when desc_w1 is None) and every consumer's pre-activation chunk into the next ring slot;
+        SLOT_BYTES counts them all."""
+        pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
+        num_chunks = H // CHUNK
+        for k in range(0, n_rounds * num_chunks):
+            r = k // num_chunks
+            h0 = (k % num_chunks) * CHUNK
+            _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks, SLOT_BYTES,
+                               NUM_STAGES, CHUNK)
+            _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, k % NUM_STAGES, (pid + r * nprog) * NUM_CONSUMERS,
+                                h0, NUM_CONSUMERS, BLOCK)
 
     @triton.jit
     def _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden, desc_activation,
@@ -303,17 +321,8 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
-                num_chunks = H // CHUNK
-                for k in range(0, n_rounds * num_chunks):
-                    r = k // num_chunks
-                    h0 = (k % num_chunks) * CHUNK
-                    slot = k % NUM_STAGES
-                    # SLOT_BYTES counts the pre-activation chunks too.
-                    _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks, SLOT_BYTES,
-                                       NUM_STAGES, CHUNK)
-                    _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, slot, (pid + r * nprog) * NUM_CONSUMERS, h0,
-                                        NUM_CONSUMERS, BLOCK)
+                _backward_producer(desc_w1, desc_w2, desc_hidden, w1_bufs, w2_bufs, hidden_bufs, fulls, empties, T, H,
+                                   SLOT_BYTES, NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -388,18 +397,8 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
-                num_chunks = H // CHUNK
-                for k in range(0, n_rounds * num_chunks):
-                    r = k // num_chunks
-                    h0 = (k % num_chunks) * CHUNK
-                    slot = k % NUM_STAGES
-                    # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
-                    tlx.barrier_wait(empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
-                    tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-                    tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
-                    _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, slot, (pid + r * nprog) * NUM_CONSUMERS, h0,
-                                        NUM_CONSUMERS, BLOCK)
+                _backward_producer(None, desc_w2, desc_hidden, None, w2_bufs, hidden_bufs, fulls, empties, T, H,
+                                   SLOT_BYTES, NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
