@@ -484,6 +484,11 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
+        # The result is saved: leave without interpreter teardown, where a thread left joinable (torchrec's
+        # pipeline or gloo) once aborted a rank with "terminate called without an active exception" (CI, 2026-12-06).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
