@@ -123,14 +123,6 @@ class RankingModelConfig:
             under "mean"). Block attention lets an item meet the candidate only inside the candidate's
             64-token block; this lets the candidate weigh every item of the history by its relevance to it.
             Needs history_tokens "items"; a sample without history items gets a zero field.
-        target_query_table: where the target attention's query starts. "own", the candidate feature's token
-            (its own table's row, then the attention layers); "history", the candidate's id looked up in the
-            history feature's table and made a token as a history item is (the embedding projection, the
-            history slot, the final norm), so the query and the items it scores come from one item table, as
-            DIN shares one goods embedding between the candidate and the behaviours. The candidate's own
-            token stays among the fixed tokens. Needs target_attention_feature, one sequence feature whose
-            table has a row for every candidate id, and unsharded tables (the lookup is a second call of
-            the history's collection, which a sharded train pipeline does not expect).
         head_layers: hidden layers of the logit head's MLP, each mlp_ratio * d_model wide (DCNv2's over
             arch on MovieLens-1M, [256, 256], is 2 at d_model 64).
         head_cross_layers: DCNv2's cross layers on the readout before the head's MLP, x_{l+1} = x_0 *
@@ -172,7 +164,6 @@ class RankingModelConfig:
     history_order: Literal["given", "reversed"] = "given"
     history_tokens: Literal["items", "mean"] = "items"
     target_attention_feature: str | None = None
-    target_query_table: Literal["own", "history"] = "own"
     head_layers: int = 1
     head_cross_layers: int = 0
     residual_init: Literal["default", "zero"] = "default"
@@ -200,9 +191,6 @@ class RankingModelConfig:
             raise ValueError(f"target_attention_feature={self.target_attention_feature!r} attends over history item "
                              f"tokens; history_tokens={self.history_tokens!r} makes none: set history_tokens 'items' "
                              f"or target_attention_feature None")
-        if self.target_query_table != "own" and self.target_attention_feature is None:
-            raise ValueError(f"target_query_table={self.target_query_table!r} chooses the target attention's query; "
-                             f"there is none: set target_attention_feature or leave target_query_table 'own'")
         if self.pad_tokens_to < 0:
             raise ValueError(f"pad_tokens_to={self.pad_tokens_to} must be >= 0 (0: no padding)")
 
@@ -244,14 +232,11 @@ class EmbeddedFeatures:
     # become the pad tokens (RankingModelConfig.pad_tokens_to)
     history: torch.Tensor
     history_lengths: torch.Tensor  # int [n_sequence, B]: items of each feature in each sample
-    # [B, embedding_dim]: the target attention's candidate ids looked up in the history's table
-    # (target_query_table "history"); [B, 0] otherwise
-    candidate_in_history: torch.Tensor
     num_tokens: int  # real tokens, without the pad tokens (known on the host, for token and FLOP counts)
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """DenseTower's inputs, in its argument order."""
-        return self.dense, self.categorical, self.history, self.history_lengths, self.candidate_in_history
+        return self.dense, self.categorical, self.history, self.history_lengths
 
 
 def mlp(d_in: int, d_hidden: int, d_out: int, hidden_layers: int = 1) -> nn.Sequential:
@@ -422,7 +407,7 @@ class DenseTower(nn.Module):
         return JaggedTokens(values=values, offsets=offsets, sample_ids=sample_ids, lengths=lengths)
 
     def forward(self, dense: torch.Tensor, categorical: torch.Tensor, history: torch.Tensor,
-                history_lengths: torch.Tensor, candidate_in_history: torch.Tensor) -> torch.Tensor:
+                history_lengths: torch.Tensor) -> torch.Tensor:
         """EmbeddedFeatures' tensors -> logits [B]."""
         tokens = self.build_tokens(dense, categorical, history, history_lengths)
         x, offsets, num_tokens = tokens.values, tokens.offsets, tokens.num_tokens
@@ -446,13 +431,7 @@ class DenseTower(nn.Module):
             fixed = x[starts[:, None] + torch.arange(self.num_fixed_tokens, device=x.device)]
             fields = [fixed] if self.config.readout != "mean" else []
             if self.target_query is not None:
-                if self.config.target_query_table == "history":
-                    # The candidate as a history item's token would be with no layers before the final norm.
-                    history_slot = self.slot_embedding.weight[self.num_fixed_tokens]
-                    candidate = self.final_norm(self.embedding_proj(candidate_in_history) + history_slot).to(x.dtype)
-                else:
-                    candidate = fixed[:, self.target_token]
-                fields.append(self.target_attention(x, tokens, candidate)[:, None])
+                fields.append(self.target_attention(x, tokens, fixed[:, self.target_token])[:, None])
             fields = torch.cat(fields, dim=1)
             head_input = [fields.flatten(1), pooled]
             if self.config.readout == "fields_dot":
@@ -530,14 +509,6 @@ class RankingModel(nn.Module):
                 raise ValueError(f"target_attention_feature={config.target_attention_feature!r} attends over history "
                                  f"items, and this data has no sequence feature (e.g. max_history_len=0): set it None")
             target_token = config.n_dense_tokens + self.categorical_names.index(config.target_attention_feature)
-            if config.target_query_table == "history":
-                candidate_rows = dict(schema.categorical)[config.target_attention_feature]
-                (history_name, history_rows, _), *others = schema.sequence
-                if others or candidate_rows > history_rows:
-                    raise ValueError(
-                        f"target_query_table='history' looks {config.target_attention_feature!r} ids ({candidate_rows} "
-                        f"rows) up in the history's table: it needs one sequence feature with at least as many rows; "
-                        f"this data has {[(name, rows) for name, rows, _ in schema.sequence]}")
         self.tower = DenseTower(config, len(schema.dense), len(schema.categorical) + pooled_fields,
                                 len(schema.sequence) - pooled_fields, target_token)
         if config.compile:
@@ -565,23 +536,15 @@ class RankingModel(nn.Module):
             history_lengths = torch.stack([jagged[name].lengths() for name in self.sequence_names])
         else:
             item_rows, history_lengths = [], torch.zeros(0, batch_size, dtype=torch.int32, device=dense.device)
-        candidate_in_history = dense.new_zeros(batch_size, 0)
-        if self.config.target_query_table == "history":
-            # The sparse features hold one id per sample each, feature after feature in schema order.
-            feature = self.categorical_names.index(self.config.target_attention_feature)
-            ids = batch.sparse.values()[feature * batch_size:(feature + 1) * batch_size]
-            name = self.sequence_names[0]
-            lookup = KeyedJaggedTensor(keys=[name], values=ids, lengths=torch.ones_like(ids, dtype=torch.int32))
-            candidate_in_history = self.sequence_embeddings(lookup)[name].values()
         num_tokens = batch_size * self.tower.num_fixed_tokens + sum(rows.shape[0] for rows in item_rows)
         pad = -num_tokens % self.config.pad_tokens_to if self.config.pad_tokens_to else 0
         history = torch.cat([*item_rows, dense.new_zeros(pad, e, dtype=item_rows[0].dtype if item_rows else None)])
-        return EmbeddedFeatures(dense=dense, categorical=categorical, history=history, history_lengths=history_lengths,
-                                candidate_in_history=candidate_in_history, num_tokens=num_tokens)
+        return EmbeddedFeatures(dense=dense, categorical=categorical, history=history,
+                                history_lengths=history_lengths, num_tokens=num_tokens)
 
     def build_tokens(self, batch: Batch) -> JaggedTokens:
         """The jagged tokens DenseTower attends over (for inspection and tests; forward builds them inside the tower)."""
-        return self.tower.build_tokens(*self.embed(batch).tensors()[:4])
+        return self.tower.build_tokens(*self.embed(batch).tensors())
 
     @staticmethod
     def _check_keys(features: KeyedJaggedTensor, names: list[str], kind: str) -> KeyedJaggedTensor:

@@ -17,21 +17,17 @@
 #                    (time_split_history_target)
 #   without_history_target  the same without the history feature, ours without attention layers as there, so the
 #                    pair says what the history adds to each model (time_split_no_history_target)
-#   history_query_table  ours as with_history_target, its target attention's query from its own token and from the
-#                    candidate's row of the history's table (model.net.target_query_table=history), beside DCNv2
-#                    (history_query_table)
 # Every model trains at the point its RecBole ML-1M tuning chose (benchmarks/results/quality_ml1m.md; ours from
 # quality_ml1m_retune.md, configs/movielens1m.yaml's), so each had the same budget, spent on the other protocol;
-# 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of the 800,164 training rows), HISTORY_JOBS (default 6) runs at a time. Block attention
+# 3 seeds x HISTORY_STEPS (default 1563: 8 epochs of the 800,164 training rows), 6 runs at a time. Block attention
 # runs on QUALITY_ATTN (default triton): the MovieLens configs train in fp32, and the TLX kernels take bf16/fp16 only.
 set -uo pipefail
 attn=${QUALITY_ATTN:-triton}
 common=(--attn "$attn" --config configs/movielens1m.yaml --data.protocol=time_split_history --data.data_dir=/tmp/data_cache
-        --data.num_workers=2 --steps "${HISTORY_STEPS:-1563}" --seeds 3 --jobs "${HISTORY_JOBS:-6}")
-dcnv2=(--variant dcnv2 "$attn" configs/dcnv2.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01)
+        --data.num_workers=2 --steps "${HISTORY_STEPS:-1563}" --seeds 3 --jobs 6)
 baselines=(--variant lr "$attn" configs/lr.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01
            --variant dlrm "$attn" configs/dlrm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1
-           "${dcnv2[@]}"
+           --variant dcnv2 "$attn" configs/dcnv2.yaml model.optim.lr=0.005 model.optim.weight_decay=0.01
            --variant deepfm "$attn" configs/deepfm.yaml model.optim.lr=0.01 model.optim.weight_decay=0.1)
 status=0
 for name in "$@"; do
@@ -50,10 +46,7 @@ for name in "$@"; do
                                   --out /tmp/quality/time_split_no_history_target) ;;
     target_attention) args=(--data.max_history_len=256 --model.net.target_attention_feature=item
                             --variant target_no_layers "$attn" model.net.num_layers=0 --out /tmp/quality/target_attention) ;;
-    history_query_table) args=(--data.max_history_len=256 --model.net.target_attention_feature=item --model.net.num_layers=0
-                               --variant history_query "$attn" model.net.target_query_table=history "${dcnv2[@]}"
-                               --out /tmp/quality/history_query_table) ;;
-    *) echo "unknown comparison '$name': with_history, without_history, history_order, history_mean, no_attention, target_attention, with_history_target, without_history_target or history_query_table" >&2
+    *) echo "unknown comparison '$name': with_history, without_history, history_order, history_mean, no_attention, target_attention, with_history_target or without_history_target" >&2
        exit 2 ;;
   esac
   echo "== $name"

@@ -11,7 +11,6 @@ of W takes rows [r*B/W, (r+1)*B/W) of each global batch of B rows.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -273,9 +272,6 @@ def scenario_setups(rank: int, world_size: int, args: dict) -> dict:
         "out_of_memory": (build_model(), ShardingConfig(ddr_cap_gb=8 / 1024**2)),
         # rank 1 built its tables from another seed: filling the shards from both would mix two models
         "seed_mismatch": (build_model(seed=rank), ShardingConfig()),
-        # the candidate looked up in the history's collection a second time each step
-        "history_query_table": (RankingModel(SCHEMA, dataclasses.replace(
-            MODEL, target_attention_feature="item", target_query_table="history")), ShardingConfig()),
     }
     messages = {}
     for name, (model, config) in cases.items():

@@ -45,16 +45,6 @@ def make_batch(clicks_lengths: list[int], views_lengths: list[int], seed: int = 
     )
 
 
-ONE_HISTORY = dataclasses.replace(SCHEMA, sequence=(("clicks", 17, 100),))
-
-
-def one_history_batch(clicks_lengths: list[int], seed: int = 0) -> Batch:
-    batch = make_batch(clicks_lengths=clicks_lengths, views_lengths=[0] * len(clicks_lengths), seed=seed)
-    clicks = batch.sequence.values()[:sum(clicks_lengths)]
-    return dataclasses.replace(batch, sequence=KeyedJaggedTensor(
-        keys=["clicks"], values=clicks, lengths=torch.tensor(clicks_lengths, dtype=torch.int32), stride=len(clicks_lengths)))
-
-
 @pytest.fixture
 def model() -> RankingModel:
     torch.manual_seed(0)
@@ -362,23 +352,18 @@ def test_padding_the_token_count_changes_no_logit(model):
 
 
 # fields_dot: the readout with the most ops; "target": target attention's scatter ops under dynamic shapes
-@pytest.mark.parametrize("readout", ["mean", "fields_dot", "target", "target_history_query"])
+@pytest.mark.parametrize("readout", ["mean", "fields_dot", "target"])
 def test_compiled_model_matches_eager_on_cpu(readout):
     """torch.compile of the token-interaction stack (inductor on CPU, reference attention), padded to
     a few token counts as the GPU config pads them: the same logits and gradients as eager."""
     torch.manual_seed(0)
-    schema = ONE_HISTORY if readout == "target_history_query" else SCHEMA
-    if readout.startswith("target"):
-        config = dataclasses.replace(CONFIG, readout="fields_dot", target_attention_feature="ad",
-                                     target_query_table="history" if readout == "target_history_query" else "own")
-    else:
-        config = dataclasses.replace(CONFIG, readout=readout)
-    model = RankingModel(schema, config)
-    compiled = RankingModel(schema, dataclasses.replace(config, compile=True, pad_tokens_to=64))
+    config = dataclasses.replace(CONFIG, readout="fields_dot", target_attention_feature="ad") if readout == "target" \
+        else dataclasses.replace(CONFIG, readout=readout)
+    model = RankingModel(SCHEMA, config)
+    compiled = RankingModel(SCHEMA, dataclasses.replace(config, compile=True, pad_tokens_to=64))
     compiled.load_state_dict(model.state_dict())
     for seed, lengths in enumerate(([0, 70, 3, 100], [5, 1, 64, 0])):
-        batch = one_history_batch(lengths, seed) if schema is ONE_HISTORY else \
-            make_batch(clicks_lengths=lengths, views_lengths=[2, 0, 5, 8], seed=seed)
+        batch = make_batch(clicks_lengths=lengths, views_lengths=[2, 0, 5, 8], seed=seed)
         eager_loss = model.loss(model(batch)[0], batch.labels)
         compiled_loss = compiled.loss(compiled(batch)[0], batch.labels)
         torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
@@ -575,56 +560,6 @@ def test_target_attention_trains_its_query_and_reads_every_block_of_the_history(
     ({"target_attention_feature": "ad"}, dataclasses.replace(SCHEMA, sequence=()), "no sequence feature"),
 ])
 def test_target_attention_names_a_categorical_feature_of_data_with_history(config, schema, message):
-    with pytest.raises(ValueError, match=message):
-        RankingModel(schema, dataclasses.replace(CONFIG, **config))
-
-
-def test_target_query_from_the_history_table_scores_items_against_the_candidates_row_there():
-    """target_query_table="history": the query is made from the candidate's row of the history's table, mapped as a
-    history item's token is with no layers (embedding projection, history slot, final norm), then the query map;
-    the candidate's own row no longer moves the pooled field, its history-table row does (and gets a gradient)."""
-    torch.manual_seed(0)
-    config = dataclasses.replace(CONFIG, num_layers=0, readout="fields", target_attention_feature="ad",
-                                 target_query_table="history")
-    model = RankingModel(ONE_HISTORY, config)
-    tower, d = model.tower, CONFIG.d_model
-    seen = []
-    tower.head.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
-    batch = one_history_batch([70, 3, 0])
-    logits, _ = model(batch)
-    model.loss(logits, batch.labels).backward()
-    ads = batch.sparse.values()[3:6]
-    history_table = model.sequence_embeddings.embeddings["t_clicks"].weight
-    assert history_table.grad[ads].abs().sum() > 0
-
-    fixed_tokens = CONFIG.n_dense_tokens + 2
-    with torch.no_grad():
-        candidate = tower.final_norm(tower.embedding_proj(history_table[ads]) + tower.slot_embedding.weight[fixed_tokens])
-        query = tower.target_query(candidate)
-        values = model.build_tokens(batch).values
-        field = slice(fixed_tokens * d, (fixed_tokens + 1) * d)
-        start = 0
-        for b, length in enumerate([70, 3, 0]):
-            items = tower.final_norm(values[start + fixed_tokens:start + fixed_tokens + length])
-            expected = torch.softmax(items @ query[b] / d ** 0.5, 0) @ items if length else torch.zeros(d)
-            torch.testing.assert_close(seen[0][b, field], expected)
-            start += fixed_tokens + length
-
-        model.categorical_embeddings.embedding_bags["t_ad"].weight.add_(1.0)  # the candidate's own row
-        model(batch)
-        torch.testing.assert_close(seen[1][:, field], seen[0][:, field])
-        history_table[ads] += 1.0
-        model(batch)
-        assert not torch.equal(seen[2][:2, field], seen[0][:2, field])
-
-
-@pytest.mark.parametrize("config, schema, message", [
-    ({"target_query_table": "history"}, ONE_HISTORY, "there is none: set target_attention_feature"),
-    ({"target_attention_feature": "ad", "target_query_table": "history"}, SCHEMA, "one sequence feature"),
-    ({"target_attention_feature": "ad", "target_query_table": "history"},
-     dataclasses.replace(SCHEMA, sequence=(("clicks", 12, 100),)), r"'ad' ids \(13 rows\)"),
-])
-def test_target_query_from_the_history_table_needs_one_history_with_every_candidate_id(config, schema, message):
     with pytest.raises(ValueError, match=message):
         RankingModel(schema, dataclasses.replace(CONFIG, **config))
 

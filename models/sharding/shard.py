@@ -229,10 +229,6 @@ def shard_model(
     sharding_types: dict[str, str] = {}
     local_error: Exception | None = None
     try:
-        if getattr(getattr(module, "config", None), "target_query_table", "own") != "own":
-            raise ValueError("target_query_table='history' looks the candidate up in the history's collection a "
-                             "second time each step, which sharded tables (and their train pipeline) do not support: "
-                             "leave target_query_table 'own' to shard this model")
         tables = embedding_tables(module)
         if not tables:
             sharded = [n for n, m in module.named_modules() if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection))]
