@@ -123,9 +123,6 @@ class RankingModelConfig:
             under "mean"). Block attention lets an item meet the candidate only inside the candidate's
             64-token block; this lets the candidate weigh every item of the history by its relevance to it.
             Needs history_tokens "items"; a sample without history items gets a zero field.
-        target_attention_heads: the target attention's heads: each scores the items on its d_model / heads
-            channels of the query and the items' tokens and takes its own softmax-weighted mean of those channels
-            (several interests of one history, as multi-head attention; 1: one softmax over all channels).
         head_layers: hidden layers of the logit head's MLP, each mlp_ratio * d_model wide (DCNv2's over
             arch on MovieLens-1M, [256, 256], is 2 at d_model 64).
         head_cross_layers: DCNv2's cross layers on the readout before the head's MLP, x_{l+1} = x_0 *
@@ -167,7 +164,6 @@ class RankingModelConfig:
     history_order: Literal["given", "reversed"] = "given"
     history_tokens: Literal["items", "mean"] = "items"
     target_attention_feature: str | None = None
-    target_attention_heads: int = 1
     head_layers: int = 1
     head_cross_layers: int = 0
     residual_init: Literal["default", "zero"] = "default"
@@ -179,11 +175,9 @@ class RankingModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even: rotary rotates pairs of channels")
-        for name in ("mlp_ratio", "embedding_dim", "n_dense_tokens", "head_layers", "target_attention_heads"):
+        for name in ("mlp_ratio", "embedding_dim", "n_dense_tokens", "head_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.d_model % self.target_attention_heads != 0:
-            raise ValueError(f"d_model={self.d_model} is not divisible by target_attention_heads={self.target_attention_heads}")
         for name in ("num_layers", "head_cross_layers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -453,26 +447,21 @@ class DenseTower(nn.Module):
 
     def target_attention(self, x: torch.Tensor, tokens: JaggedTokens, candidate: torch.Tensor) -> torch.Tensor:
         """Each sample's history item tokens (rows of x) weighted by softmax over the sample's items of their
-        dot with its candidate's query, summed, per head on its d_model / heads channels: [B, d_model]; zeros for
-        a sample without items."""
+        dot with its candidate's query, summed: [B, d_model]; zeros for a sample without items."""
         batch_size, d = candidate.shape
-        heads = self.config.target_attention_heads
-        query = self.target_query(candidate).view(batch_size, heads, d // heads)
+        query = self.target_query(candidate)
         sample = tokens.sample_ids
         is_item = (token_positions(tokens.offsets, x.shape[0]) >= self.num_fixed_tokens) & (sample < batch_size)
         sample = sample.clamp(max=batch_size - 1)  # the pad tokens' scores are masked out below
-        x_heads = x.view(x.shape[0], heads, d // heads)
-        scores = ((x_heads * query[sample]).sum(2) * (d // heads) ** -0.5).masked_fill(~is_item[:, None], float("-inf"))
+        scores = ((x * query[sample]).sum(1) * d ** -0.5).masked_fill(~is_item, float("-inf"))
         # Each sample's top score, subtracted for exp's range; softmax does not depend on it, so no gradient.
         detached = scores.detach()
-        top = detached.new_full((batch_size, heads), float("-inf")).scatter_reduce(
-            0, sample[:, None].expand(-1, heads), detached, "amax")
+        top = detached.new_full((batch_size,), float("-inf")).scatter_reduce(0, sample, detached, "amax")
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no items: every exp is exp(-inf) = 0
         weights = torch.exp(scores - top[sample])
         # A sample with items sums to >= 1 (its top item's exp(0)), so clamping at 1 changes only the empty ones.
-        total = weights.new_zeros(batch_size, heads).index_add(0, sample, weights).clamp(min=1.0)
-        pooled = x.new_zeros(batch_size, heads, d // heads).index_add(0, sample, weights[:, :, None] * x_heads)
-        return (pooled / total[:, :, None]).view(batch_size, d)
+        total = weights.new_zeros(batch_size).index_add(0, sample, weights).clamp(min=1.0)
+        return x.new_zeros(batch_size, d).index_add(0, sample, weights[:, None] * x) / total[:, None]
 
 
 class RankingModel(nn.Module):

@@ -485,19 +485,18 @@ def test_available_memory_reads_meminfo(tmp_path):
     assert memory.available_bytes(torch.device("cpu"), tmp_path / "none") is None
 
 
-@pytest.mark.parametrize("readout, target, heads", [("fields", None, 1), ("fields_dot", None, 1), ("mean", "ad", 1),
-                                                    ("fields", "ad", 1), ("fields_dot", "user", 1), ("fields", "ad", 4)])
-def test_readout_reads_each_samples_fixed_tokens_target_attention_and_mean(readout, target, heads):
+@pytest.mark.parametrize("readout, target", [("fields", None), ("fields_dot", None), ("mean", "ad"),
+                                             ("fields", "ad"), ("fields_dot", "user")])
+def test_readout_reads_each_samples_fixed_tokens_target_attention_and_mean(readout, target):
     """readout="fields": the head reads sample b's fixed tokens after the final norm, side by side, then
     the mean of all its tokens, with the token count padded (a pad sequence after the samples);
     "fields_dot" then also every pair's dot product / sqrt(d_model), pairs in row-major order.
     target_attention_feature: one more field after the fixed ones (the only one under "mean"), the softmax-
     weighted sum of the sample's history item tokens, each weighted by its dot with the named feature's token
-    through the query map, / sqrt(d_model); zeros for the sample without history items. With several target
-    attention heads, each does so on its own d_model / heads channels."""
+    through the query map, / sqrt(d_model); zeros for the sample without history items."""
     torch.manual_seed(0)
     model = RankingModel(SCHEMA, dataclasses.replace(CONFIG, readout=readout, pad_tokens_to=64,
-                                                     target_attention_feature=target, target_attention_heads=heads))
+                                                     target_attention_feature=target))
     seen = {}
     model.tower.final_norm.register_forward_hook(lambda module, args, out: seen.update(x=out.detach()))
     model.tower.head.register_forward_pre_hook(lambda module, args: seen.update(head_input=args[0].detach()))
@@ -513,10 +512,8 @@ def test_readout_reads_each_samples_fixed_tokens_target_attention_and_mean(reado
         if target is not None:
             query = model.tower.target_query(tokens[CONFIG.n_dense_tokens + SCHEMA.categorical_names.index(target)])
             items = tokens[FIXED_TOKENS:]
-            width = d // heads
-            pooled = [torch.softmax(items[:, h * width:(h + 1) * width] @ query[h * width:(h + 1) * width] / width ** 0.5, 0)
-                      @ items[:, h * width:(h + 1) * width] for h in range(heads)]
-            fields.append(torch.cat(pooled) if len(items) else torch.zeros(d))
+            weights = torch.softmax(items @ query / d ** 0.5, 0)
+            fields.append(weights @ items if len(items) else torch.zeros(d))
         row = [*fields, tokens.mean(0)]
         if readout == "fields_dot":
             row.append(torch.stack([fields[i] @ fields[j] / d ** 0.5
