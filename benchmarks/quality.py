@@ -131,10 +131,19 @@ def seed_list(summary: dict) -> dict:
             "seeds": [int(s) for s in seeds]}
 
 
+def resolved_config(settings: dict, label: str) -> dict:
+    """A comparison group's flattened resolved config (a variant's own, else the base one)."""
+    return settings.get("variant_resolved", {}).get(label) or settings["resolved_config"]
+
+
 def arch_of(settings: dict, label: str) -> str:
     """The architecture a comparison group trained (model.arch of its resolved config)."""
-    resolved = settings.get("variant_resolved", {}).get(label) or settings["resolved_config"]
-    return resolved.get("model.arch", BLOCK_ATTENTION)
+    return resolved_config(settings, label).get("model.arch", BLOCK_ATTENTION)
+
+
+# The optimizer point a run trained at, recorded per model so that a difference between two protocols'
+# runs (the history's gain) says when it also changed the learning rate or weight decay.
+OPTIMIZER_KEYS = ("model.optim.lr", "model.optim.weight_decay")
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -280,8 +289,9 @@ def protocol_entry(folder: Path) -> dict:
         name = arch_of(comparison.settings, label)
         if name in models:
             raise CompareError(f"{folder}: two groups trained {name}; give each architecture one group")
+        config = resolved_config(comparison.settings, label)
         models[name] = {"test_auc": seed_list(metrics["auc"]), "test_logloss": seed_list(metrics["logloss"]),
-                        "group": label}
+                        "group": label, "optimizer": {key: config.get(key) for key in OPTIMIZER_KEYS}}
         if tuning:
             models[name].update({key: tuning["models"][name][key] for key in ("chosen", "chosen_val_auc", "trials")})
     if not models:
@@ -316,12 +326,15 @@ def paired_difference(first: dict, second: dict) -> dict:
 
 def history_gain(protocols: dict) -> dict:
     """Per model that ran both time-split protocols on a common seed: its test AUC and log loss with
-    the history feature minus without it."""
+    the history feature minus without it, and the optimizer point of each side (None where an earlier
+    report did not record it), since the two protocols may have tuned a model to different points."""
     with_history, without = (protocols[name]["models"] for name in HISTORY_ABLATION)
     paired = [model for model in with_history if model in without
               and set(with_history[model]["test_auc"]["seeds"]) & set(without[model]["test_auc"]["seeds"])]
-    return {model: {metric: paired_difference(with_history[model][metric], without[model][metric])
-                    for metric in ("test_auc", "test_logloss")} for model in paired}
+    return {model: {**{metric: paired_difference(with_history[model][metric], without[model][metric])
+                       for metric in ("test_auc", "test_logloss")},
+                    "optimizer": [with_history[model].get("optimizer"), without[model].get("optimizer")]}
+            for model in paired}
 
 
 def earlier_entry(report: Path, name: str) -> dict:
@@ -421,16 +434,27 @@ def render(result: dict, notes: str = "") -> str:
         lines += [f"## What the history tokens add: {with_history} minus {without}", "",
                   "The same samples and split with and without the history feature; each model's test scores "
                   "with it minus without it, seed by seed (mean ± sample std of the differences).", "",
-                  "| model | test AUC difference | test log loss difference | per seed AUC difference |",
-                  "|---|---|---|---|"]
+                  "| model | test AUC difference | test log loss difference | per seed AUC difference | optimizer |",
+                  "|---|---|---|---|---|"]
         for model, gain in result["history_gain"].items():
             auc = gain["test_auc"]
             per_seed = ", ".join(f"{value:+.4f} (seed {seed})" for value, seed in zip(auc["per_seed"], auc["seeds"]))
-            lines.append(f"| {model} | {_cell(auc, '+')} | {_cell(gain['test_logloss'], '+')} | {per_seed} |")
+            lines.append(f"| {model} | {_cell(auc, '+')} | {_cell(gain['test_logloss'], '+')} | {per_seed} "
+                         f"| {optimizer_pair(*gain.get('optimizer', [None, None]))} |")
         lines.append("")
     if notes:
         lines += [notes.strip(), ""]
     return "\n".join(lines)
+
+
+def optimizer_pair(with_history: dict | None, without: dict | None) -> str:
+    """Both sides' optimizer point: once where they agree, both where they differ, so a row whose
+    difference also moved the learning rate or weight decay says so."""
+    def point(optimizer):
+        return "not recorded" if optimizer is None else _setting(optimizer)
+    if with_history == without and with_history is not None:
+        return point(with_history)
+    return f"differs: {point(with_history)} with history, {point(without)} without"
 
 
 def _named(items: list[str], option: str, what: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality import GRID, grid_points, main as quality_main, point_label, select
+from benchmarks.quality import GRID, optimizer_pair, grid_points, main as quality_main, point_label, select
 from tests.test_train import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,6 +167,9 @@ def test_the_time_split_tunes_with_and_without_history_and_the_report_gives_the_
         for metric in ("test_auc", "test_logloss"):
             with_history, without = (protocols[name]["models"][model][metric]["per_seed"][0] for name in outs)
             assert gain[metric]["per_seed"] == [with_history - without] and gain[metric]["seeds"] == [0]
+        # Each side's optimizer point is the one that protocol's tuning chose for the model.
+        chosen = [json.loads((out / "tuning.json").read_text())["models"][model]["chosen"] for out in outs.values()]
+        assert [side["model.optim.lr"] for side in gain["optimizer"]] == [c["model.optim.lr"] for c in chosen]
     assert "## What the history tokens add: time_split_history minus time_split_no_history" in (
         tmp_path / "quality.md").read_text()
 
@@ -178,6 +181,14 @@ def test_the_time_split_tunes_with_and_without_history_and_the_report_gives_the_
     assert again["protocols"] == protocols and again["history_gain"] == report["history_gain"]
     assert quality_main(["--protocol", f"recbole_ml1m_context={earlier}", "--out", str(tmp_path / "bad")]) == 2
     assert "holds no runs of protocol 'recbole_ml1m_context'" in capsys.readouterr().err
+
+
+def test_the_history_gain_row_names_both_optimizer_points_when_they_differ():
+    same = {"model.optim.lr": 0.005, "model.optim.weight_decay": 0.01}
+    assert optimizer_pair(same, dict(same)) == "lr 0.005, weight_decay 0.01"
+    assert optimizer_pair(same, {**same, "model.optim.weight_decay": 0.1}) == (
+        "differs: lr 0.005, weight_decay 0.01 with history, lr 0.005, weight_decay 0.1 without")
+    assert optimizer_pair(same, None) == "differs: lr 0.005, weight_decay 0.01 with history, not recorded without"
 
 
 def test_a_tie_goes_to_the_earlier_point_and_a_failed_trial_is_skipped():
