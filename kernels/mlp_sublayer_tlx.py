@@ -182,21 +182,21 @@ if HAS_TLX:
                                       [(first_tile + c) * BLOCK, h0], fulls[slot])
 
     @triton.jit
-    def _backward_producer(desc_w1, desc_w2, desc_hidden, w1_bufs, w2_bufs, hidden_bufs, fulls, empties, T, H,
-                           SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
-                           BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-        """A backward kernel's producer: for each round's tiles and hidden chunk, the chunk's weight boxes
-        (no W1 when desc_w1 is None) and every consumer's pre-activation chunk into the next ring slot;
-        SLOT_BYTES counts them all."""
+    def _ring_producer(desc_w1, desc_w2, desc_hidden, w1_bufs, w2_bufs, hidden_bufs, fulls, empties, T, H,
+                       SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
+                       BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        """Every MLP kernel's producer: for each round's tiles and hidden chunk, the chunk's weight boxes
+        (no W1 when desc_w1 is None) and, in the backward kernels (desc_hidden not None), every consumer's
+        pre-activation chunk into the next ring slot; SLOT_BYTES counts them all."""
         pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
         num_chunks = H // CHUNK
         for k in range(0, n_rounds * num_chunks):
-            r = k // num_chunks
-            h0 = (k % num_chunks) * CHUNK
             _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks, SLOT_BYTES,
                                NUM_STAGES, CHUNK)
-            _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, k % NUM_STAGES, (pid + r * nprog) * NUM_CONSUMERS,
-                                h0, NUM_CONSUMERS, BLOCK)
+            if desc_hidden is not None:
+                r = k // num_chunks
+                _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, k % NUM_STAGES,
+                                    (pid + r * nprog) * NUM_CONSUMERS, (k % num_chunks) * CHUNK, NUM_CONSUMERS, BLOCK)
 
     @triton.jit
     def _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden, desc_activation,
@@ -244,11 +244,8 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
-                num_chunks = H // CHUNK
-                for k in range(0, n_rounds * num_chunks):
-                    _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks, SLOT_BYTES,
-                                       NUM_STAGES, CHUNK)
+                _ring_producer(desc_w1, desc_w2, None, w1_bufs, w2_bufs, None, fulls, empties, T, H, SLOT_BYTES,
+                               NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -321,8 +318,8 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                _backward_producer(desc_w1, desc_w2, desc_hidden, w1_bufs, w2_bufs, hidden_bufs, fulls, empties, T, H,
-                                   SLOT_BYTES, NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
+                _ring_producer(desc_w1, desc_w2, desc_hidden, w1_bufs, w2_bufs, hidden_bufs, fulls, empties, T, H,
+                               SLOT_BYTES, NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -397,8 +394,8 @@ if HAS_TLX:
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                _backward_producer(None, desc_w2, desc_hidden, None, w2_bufs, hidden_bufs, fulls, empties, T, H,
-                                   SLOT_BYTES, NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
+                _ring_producer(None, desc_w2, desc_hidden, None, w2_bufs, hidden_bufs, fulls, empties, T, H,
+                               SLOT_BYTES, NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
