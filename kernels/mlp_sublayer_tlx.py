@@ -20,10 +20,10 @@ The backward's token-tile kernel has the same shape (the producer also brings ea
 pre-activation chunk; dH, GELU's output and dLN leave by TMA or in 64-column slices), then the
 Triton LayerNorm-backward kernel and the two weight-gradient GEMMs of mlp_dispatch.py. It runs with
 the launch knob {"bwd": {"TRITON_BACKWARD": False}}; by default the backward is the Triton backend's
-(kernels/mlp_sublayer_triton.py, its default "gemms" plan; see tlx_mlp_config). With the knob
-{"bwd": {"TLX_HIDDEN_GRAD": True}} that plan's first GEMM (dH, GELU's output, b1's partial sums) is
-_tlx_hidden_grad_gemm: the same ring of W2 boxes and pre-activation chunks, no W1 and no dLN accumulator,
-so two consumers fit at every width.
+(kernels/mlp_sublayer_triton.py, its default "gemms" plan; see tlx_mlp_config). That plan's first GEMM
+as a warp-specialized TLX kernel (a ring of W2 boxes and pre-activation chunks, two consumers) passed
+parity but ran slower than the Triton one in every ring that fits (benchmarks/results/
+mlp_tlx_hidden_grad_h{100,200}.md), so it was taken out again; it is in git history at 229f10f.
 """
 
 import functools
@@ -60,9 +60,7 @@ BLOCK_H = 64
 MAX_STAGES = 4
 FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # TRITON_BACKWARD: the backward is the Triton backend's, with its default plan (kernels/mlp_sublayer_triton.py).
-# TLX_HIDDEN_GRAD: that backward with its hidden-gradient GEMM run by _tlx_hidden_grad_gemm instead
-# (NUM_STAGES / NUM_CONSUMERS then size that kernel's ring).
-BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD", "TLX_HIDDEN_GRAD")
+BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
 # fbtriton 3.7's sm_90 builds allocate it (tests/test_tlx_aot.py holds this model to them).
 _SCRATCH_PER_CONSUMER = {64: 384, 128: 384, 256: 624}
@@ -82,20 +80,6 @@ def smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, backward: bool
     return (NUM_STAGES * slot + NUM_CONSUMERS * per_consumer) * elem_size + NUM_CONSUMERS * scratch
 
 
-# _tlx_hidden_grad_gemm's compiler scratch per consumer (fbtriton 3.7, sm_90; tests/test_tlx_aot.py holds it):
-# mostly its [64, D] dY rows' conversion to wgmma's register-A layout (64 * D * 2 bytes), then dH's column sums.
-_HIDDEN_GRAD_SCRATCH_PER_CONSUMER = {64: 16492, 128: 24684, 256: 41052}
-
-
-def hidden_grad_smem_bytes(d_model: int, NUM_STAGES: int, NUM_CONSUMERS: int, elem_size: int = 2) -> int:
-    """Shared memory of one _tlx_hidden_grad_gemm program: a ring slot holds a W2 box [D, 64] and every
-    consumer's pre-activation chunk [64, 64]; each consumer stages its dH and GELU-output chunks for TMA."""
-    chunk = BLOCK_M * BLOCK_H
-    slot = BLOCK_H * d_model + NUM_CONSUMERS * chunk
-    return ((NUM_STAGES * slot + NUM_CONSUMERS * 2 * chunk) * elem_size
-            + NUM_CONSUMERS * _HIDDEN_GRAD_SCRATCH_PER_CONSUMER[d_model])
-
-
 def tlx_mlp_config(d_model: int, knob_items: tuple = (), backward: bool = False) -> dict:
     """Constexpr knobs of one direction, as sublayer_tlx.choose_ring picks them; `knob_items` (FWD_KNOBS /
     BWD_KNOBS) override them."""
@@ -111,20 +95,12 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
         raise ValueError(f"unknown TLX mlp_sublayer {'bwd' if backward else 'fwd'} tuning knobs {sorted(unknown)}; "
                          f"choose from {allowed}")
 
-    hidden_grad = bool(knobs.get("TLX_HIDDEN_GRAD", False))
-    # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
-    # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
-    triton_backward = bool(knobs.get("TRITON_BACKWARD", True))
-    if hidden_grad and not triton_backward:
-        raise ValueError("TLX mlp_sublayer bwd: TLX_HIDDEN_GRAD replaces the hidden-gradient GEMM of the Triton "
-                         "backward's \"gemms\" plan, so it needs TRITON_BACKWARD true, not the TLX tile kernel")
-    if hidden_grad:
-        smem = lambda stages, consumers: hidden_grad_smem_bytes(d_model, stages, consumers)  # noqa: E731
-    else:
-        smem = lambda stages, consumers: smem_bytes(d_model, stages, consumers, backward)  # noqa: E731
-    cfg = choose_ring(knobs, smem, MAX_STAGES, f"TLX mlp_sublayer {'bwd' if backward else 'fwd'} at d_model {d_model}")
+    cfg = choose_ring(knobs, lambda stages, consumers: smem_bytes(d_model, stages, consumers, backward), MAX_STAGES,
+                      f"TLX mlp_sublayer {'bwd' if backward else 'fwd'} at d_model {d_model}")
     if backward:
-        cfg.update(TRITON_BACKWARD=triton_backward, TLX_HIDDEN_GRAD=hidden_grad)
+        # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
+        # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
+        cfg["TRITON_BACKWARD"] = bool(knobs.get("TRITON_BACKWARD", True))
     return cfg
 
 
@@ -143,16 +119,15 @@ if HAS_TLX:
     def _load_weight_chunk(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, k, num_chunks,
                            SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNK: tl.constexpr):
         """The producer's step k: waits for ring slot k % NUM_STAGES to be free, then loads hidden chunk
-        k % num_chunks's W1 box [CHUNK, D] (unless desc_w1 is None) and W2 box [D, CHUNK] into it. The
-        slot's full barrier expects SLOT_BYTES, so a caller may add loads of its own to the slot."""
+        k % num_chunks's W1 box [CHUNK, D] and W2 box [D, CHUNK] into it. The slot's full barrier expects
+        SLOT_BYTES, so a caller may add loads of its own to the slot."""
         h0 = (k % num_chunks) * CHUNK
         slot = k % NUM_STAGES
         phase = (k // NUM_STAGES) & 1
         # Fresh barriers sit in phase 0, so waiting for parity 1 passes on the first lap.
         tlx.barrier_wait(empties[slot], phase ^ 1)
         tlx.barrier_expect_bytes(fulls[slot], SLOT_BYTES)
-        if desc_w1 is not None:
-            tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
+        tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [h0, 0], fulls[slot])
         tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
 
     @triton.jit
@@ -185,9 +160,9 @@ if HAS_TLX:
     def _ring_producer(desc_w1, desc_w2, desc_hidden, w1_bufs, w2_bufs, hidden_bufs, fulls, empties, T, H,
                        SLOT_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
                        BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-        """Every MLP kernel's producer: for each round's tiles and hidden chunk, the chunk's weight boxes
-        (no W1 when desc_w1 is None) and, in the backward kernels (desc_hidden not None), every consumer's
-        pre-activation chunk into the next ring slot; SLOT_BYTES counts them all."""
+        """Both MLP kernels' producer: for each round's tiles and hidden chunk, the chunk's weight boxes and,
+        in the backward kernel (desc_hidden not None), every consumer's pre-activation chunk into the next
+        ring slot; SLOT_BYTES counts them all."""
         pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
         num_chunks = H // CHUNK
         for k in range(0, n_rounds * num_chunks):
@@ -368,62 +343,6 @@ if HAS_TLX:
                     _store_accumulator(grad_normed_ptr, acc, rows64, row_ok, D)
                 tlx.async_descriptor_store_wait(0)
 
-    @triton.jit
-    def _tlx_hidden_grad_gemm(
-        desc_w2, desc_hidden, desc_grad_hidden, desc_activation, grad_out_ptr, db1_parts_ptr,
-        T, H,
-        D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-    ):
-        """The "gemms" backward's first GEMM, warp-specialized: per 64-token tile and hidden chunk,
-        dH = (dY W2[:, chunk]) * GELU'(pre-activation), GELU(pre-activation) (dW2's operand) and dH's column
-        sums (b1's gradient). The producer streams each chunk's W2 box and every consumer's pre-activation
-        chunk through the ring; a consumer holds its [64, D] dY rows in registers (wgmma's A) for all the
-        chunks of its tile, and its dH and GELU chunks leave by TMA while the other consumer's wgmma runs.
-        The Triton kernel it replaces (_hidden_grad_gemm) runs load, matmul and epilogue in turn."""
-        BLOCK: tl.constexpr = 64
-        CHUNK: tl.constexpr = 64
-        dtype: tl.constexpr = tlx.dtype_of(desc_w2)
-        SLOT_BYTES: tl.constexpr = (CHUNK * D + NUM_CONSUMERS * BLOCK * CHUNK) * tlx.size_of(dtype)
-
-        w2_bufs = tlx.local_alloc((D, CHUNK), dtype, NUM_STAGES)
-        hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_STAGES * NUM_CONSUMERS)
-        grad_hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
-        activation_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
-        fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
-        empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
-
-        with tlx.async_tasks():
-            with tlx.async_task("default"):
-                _ring_producer(None, desc_w2, desc_hidden, None, w2_bufs, hidden_bufs, fulls, empties, T, H,
-                               SLOT_BYTES, NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
-
-            with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
-                cid: tl.constexpr = tlx.async_task_replica_id()
-                cols = tl.arange(0, D)
-                grad_hidden_buf = grad_hidden_bufs[cid]
-                activation_buf = activation_bufs[cid]
-                pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
-                num_chunks = H // CHUNK
-                for r in range(0, n_rounds):
-                    tile = (pid + r * nprog) * NUM_CONSUMERS + cid
-                    rows = tile * BLOCK + tl.arange(0, BLOCK)
-                    row_ok = rows < T
-                    grad_out = tl.load(grad_out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :],
-                                       mask=row_ok[:, None], other=0.0)
-                    for c in range(0, num_chunks):
-                        k = r * num_chunks + c
-                        slot = k % NUM_STAGES
-                        tlx.barrier_wait(fulls[slot], (k // NUM_STAGES) & 1)
-                        grad_act = tlx.async_dot(grad_out, w2_bufs[slot])
-                        hidden = tlx.local_load(hidden_bufs[slot * NUM_CONSUMERS + cid]).to(tl.float32)
-                        grad_act = tlx.async_dot_wait(0, grad_act)
-                        # The slot's W2 box and pre-activation chunk are read: the producer may refill it.
-                        tlx.barrier_arrive(empties[slot], 1)
-                        _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden,
-                                              desc_activation, db1_parts_ptr, tile, c, T, H, dtype, BLOCK, CHUNK)
-                # SMEM must outlive the last stores' read of it.
-                tlx.async_descriptor_store_wait(0)
-
 
 # ----------------------------------------------------------------------------------------------
 # Host side
@@ -465,12 +384,9 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
     hidden_width = w1.shape[0]
     overrides = launch_overrides(launch, "bwd")
     cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())), backward=True)
-    # Host-side choices, not kernel constexprs: taken out before cfg reaches a launch.
-    tlx_hidden_grad, triton_backward = cfg.pop("TLX_HIDDEN_GRAD"), cfg.pop("TRITON_BACKWARD")
-    if triton_backward:
-        hidden_grad = functools.partial(_hidden_grad, cfg=cfg) if tlx_hidden_grad else None
-        return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "",
-                                hidden_grad=hidden_grad)
+    # A host-side choice, not a kernel constexpr: taken out before cfg reaches a launch.
+    if cfg.pop("TRITON_BACKWARD"):
+        return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "")
     x, grad_y = x.contiguous(), grad_y.contiguous()
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     device, dtype = x.device, w1.dtype
@@ -508,31 +424,6 @@ def _padded_rows(t: torch.Tensor) -> torch.Tensor:
     if tokens < BLOCK_M:
         return torch.cat([t, t.new_zeros(BLOCK_M - tokens, width)])
     return t if t.stride(0) == width and t.stride(1) == 1 else t.contiguous()
-
-
-def _hidden_grad(grad_out, w2, hidden, cfg):
-    """_tlx_hidden_grad_gemm in place of the Triton backward's _hidden_grad_gemm (knob TLX_HIDDEN_GRAD):
-    (grad_hidden, activation, db1_parts) of that GEMM, dH's column sums per 64-token tile."""
-    tokens, d_model = grad_out.shape
-    hidden_width = w2.shape[1]
-    device, dtype = grad_out.device, w2.dtype
-    rows = max(tokens, BLOCK_M)
-    grad_hidden_rows = torch.empty((rows, hidden_width), dtype=dtype, device=device)
-    activation_rows = torch.empty_like(grad_hidden_rows)
-    db1_parts = torch.zeros((triton.cdiv(tokens, BLOCK_M), hidden_width), dtype=torch.float32, device=device)
-    if tokens:
-        groups = triton.cdiv(triton.cdiv(tokens, BLOCK_M), cfg["NUM_CONSUMERS"])
-        with torch.cuda.device(device):
-            chunk = dict(shape=[tokens, hidden_width], strides=[hidden_width, 1], block_shape=[BLOCK_M, BLOCK_H])
-            descs = (
-                TensorDescriptor(w2, shape=list(w2.shape), strides=[w2.stride(0), 1], block_shape=[d_model, BLOCK_H]),
-                TensorDescriptor(_padded_rows(hidden), **chunk), TensorDescriptor(grad_hidden_rows, **chunk),
-                TensorDescriptor(activation_rows, **chunk),
-            )
-            _tlx_hidden_grad_gemm[(max(1, min(_num_sms(device), groups)),)](
-                *descs, grad_out, db1_parts, tokens, hidden_width, D=d_model, num_warps=4, num_stages=1, **cfg,
-            )
-    return grad_hidden_rows[:tokens], activation_rows[:tokens], db1_parts
 
 
 _run_ops = mlp_kernel_ops("tlx", _forward, _backward)

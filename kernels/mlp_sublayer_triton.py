@@ -244,19 +244,12 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     return y, hidden, mean, rstd
 
 
-def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch, hidden_grad=None):
-    """hidden_grad: another backend's hidden-gradient GEMM in place of this one's (the "gemms" plan only),
-    called as hidden_grad(grad_out, w2, hidden) -> (grad_hidden, activation, db1_parts)."""
+def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
     x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     config = launch_config("bwd", x.shape[1], launch)
-    if config.plan == "gemms":
-        hidden_grad = hidden_grad or functools.partial(_hidden_grad, config=config)
-        return _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, hidden_grad)
-    if hidden_grad is not None:
-        raise ValueError(f"another hidden-gradient GEMM replaces the \"gemms\" plan's; the backward plan is "
-                         f"{config.plan!r}")
-    return _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config)
+    plan = _backward_gemms if config.plan == "gemms" else _backward_tiles
+    return plan(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config)
 
 
 def _hidden_grad(grad_out, w2, hidden, config):
@@ -276,11 +269,11 @@ def _hidden_grad(grad_out, w2, hidden, config):
     return grad_hidden, activation, db1_parts
 
 
-def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, hidden_grad):
+def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config):
     tokens, d_model = x.shape
     # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
     grad_out = grad_y.to(w1.dtype).contiguous()
-    grad_hidden, activation, db1_parts = hidden_grad(grad_out, w2, hidden)
+    grad_hidden, activation, db1_parts = _hidden_grad(grad_out, w2, hidden, config)
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -20,7 +20,7 @@ if HAS_TLX:
     from triton.backends.compiler import GPUTarget
 
     from .attention_sublayer_tlx import _tlx_attention_sublayer_bwd, _tlx_attention_sublayer_fwd
-    from .mlp_sublayer_tlx import _tlx_hidden_grad_gemm, _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
+    from .mlp_sublayer_tlx import _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
     from .block_attention_tlx import _tlx_block_attn_bwd, _tlx_block_attn_fwd
 
 
@@ -68,7 +68,7 @@ class AotConfig:
 class MlpAotConfig:
     """A kernel of the fused MLP sublayer's TLX backend (kernels/mlp_sublayer_tlx.py) at one d_model."""
 
-    direction: str  # "fwd", "bwd" (the token-tile backward) or "hidden_grad" (the "gemms" backward's first GEMM)
+    direction: str  # "fwd" or "bwd" (the token-tile backward)
     d_model: int
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
@@ -81,26 +81,15 @@ class MlpAotConfig:
     def knobs(self) -> dict:
         if self.direction == "fwd":
             return mlp_sublayer_tlx.tlx_mlp_config(self.d_model)
-        knob = ("TLX_HIDDEN_GRAD", True) if self.direction == "hidden_grad" else ("TRITON_BACKWARD", False)
-        cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (knob,), backward=True)
-        for host_choice in ("TRITON_BACKWARD", "TLX_HIDDEN_GRAD"):  # not kernel constexprs
-            cfg.pop(host_choice)
+        cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("TRITON_BACKWARD", False),), backward=True)
+        cfg.pop("TRITON_BACKWARD")  # a host-side choice, not a kernel constexpr
         return cfg
-
-    def smem_estimate(self, tuning: dict) -> int:
-        if self.direction == "hidden_grad":
-            return mlp_sublayer_tlx.hidden_grad_smem_bytes(self.d_model, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"])
-        return mlp_sublayer_tlx.smem_bytes(self.d_model, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"],
-                                           backward=self.direction == "bwd")
 
 
 def mlp_aot_configs() -> list[MlpAotConfig]:
     dtypes = (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))
-    # The hidden-gradient GEMM reads dY already in the compute dtype: x's dtype does not reach it.
     return [MlpAotConfig(direction, d, x_dtype, dtype) for direction in ("fwd", "bwd")
-            for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes] + [
-        MlpAotConfig("hidden_grad", d, dtype, dtype) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
-        for dtype in ("bf16", "fp16")]
+            for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes]
 
 
 def ast_source(fn, signature: dict, constexprs: dict, divisible) -> "ASTSource":
@@ -125,11 +114,7 @@ def _mlp_source(cfg: MlpAotConfig):
     constexprs = dict(D=D, **cfg.knobs)
     weights = dict(desc_w1=f"tensordesc<{dt}[{chunk}, {D}]>", desc_w2=f"tensordesc<{dt}[{D}, {chunk}]>")
     chunk_desc = f"tensordesc<{dt}[64, {chunk}]>"
-    if cfg.direction == "hidden_grad":
-        fn = _tlx_hidden_grad_gemm
-        signature = dict(desc_w2=weights["desc_w2"], desc_hidden=chunk_desc, desc_grad_hidden=chunk_desc,
-                         desc_activation=chunk_desc, grad_out_ptr=f"*{dt}", db1_parts_ptr="*fp32", T="i32", H="i32")
-    elif cfg.direction == "fwd":
+    if cfg.direction == "fwd":
         fn = _tlx_mlp_sublayer_fwd
         signature = dict(**weights, desc_hidden=chunk_desc, x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32",
                          norm_bias_ptr="*fp32", b1_ptr=f"*{dt}", b2_ptr=f"*{dt}", y_ptr=f"*{cfg.x_dtype}",
@@ -281,7 +266,8 @@ def tuning_of(cfg: AotConfig) -> dict:
             cfg.d_model, cfg.head_dim, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"], cfg.direction == "bwd"))
     if isinstance(cfg, MlpAotConfig):
         tuning = cfg.knobs
-        return dict(tuning, smem_estimate=cfg.smem_estimate(tuning))
+        return dict(tuning, smem_estimate=mlp_sublayer_tlx.smem_bytes(
+            cfg.d_model, tuning["NUM_STAGES"], tuning["NUM_CONSUMERS"], backward=cfg.direction == "bwd"))
     tuning = tlx_config(cfg.head_dim, cfg.rotary, backward=cfg.direction == "bwd", overrides=cfg.knobs)
     return dict(tuning, smem_estimate=config_smem_bytes(cfg.head_dim, cfg.rotary, cfg.direction == "bwd", tuning))
 

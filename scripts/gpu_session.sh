@@ -51,10 +51,9 @@ for s in "$@"; do
     profile) step profile 530 "${PROFILE_STEP[@]}" --attn tlx triton fa2 reference --out "$OUT/profile_step_$GPU" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
     # (Variant rows were all slower than the defaults: the tiles plans, tile sizes and stages in
-    # mlp_sublayer_h200.md, the GEMMs as persistent programs in mlp_sublayer_h100.md; pass --variant to add one.)
-    # Variant row: the Triton backward with its hidden-gradient GEMM as the TLX warp-specialized kernel.
-    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_$GPU" --profile \
-        --variant tlx_hidden_grad tlx '{"bwd": {"TLX_HIDDEN_GRAD": true}}' ;;
+    # mlp_sublayer_h200.md, the GEMMs as persistent programs in mlp_sublayer_h100.md, the hidden-gradient GEMM
+    # as a TLX warp-specialized kernel in mlp_tlx_hidden_grad_h{100,200}.md; pass --variant to add one.)
+    mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_$GPU" --profile ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.

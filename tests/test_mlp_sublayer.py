@@ -292,60 +292,6 @@ def test_tlx_configs_fit_and_knobs_are_checked():
         tlx_mlp_config(256, (("NUM_STAGES", 4),))
 
 
-def test_tlx_hidden_grad_knob():
-    """TLX_HIDDEN_GRAD sizes its own kernel's ring (two consumers at every width, the ring that fits) and
-    is refused beside the TLX tile backward, whose hidden-gradient GEMM it is not."""
-    from kernels.block_attention_tlx import SM90_MAX_SMEM
-    from kernels.mlp_sublayer_tlx import SUPPORTED_D_MODELS, hidden_grad_smem_bytes, tlx_mlp_config
-
-    for d_model in SUPPORTED_D_MODELS:
-        cfg = tlx_mlp_config(d_model, (("TLX_HIDDEN_GRAD", True),), backward=True)
-        assert cfg["TLX_HIDDEN_GRAD"] and cfg["TRITON_BACKWARD"] and cfg["NUM_CONSUMERS"] == 2
-        assert cfg["NUM_STAGES"] >= 2
-        assert hidden_grad_smem_bytes(d_model, cfg["NUM_STAGES"], 2) <= SM90_MAX_SMEM
-        assert hidden_grad_smem_bytes(d_model, cfg["NUM_STAGES"] + 1, 2) > SM90_MAX_SMEM or cfg["NUM_STAGES"] == 4
-    assert not tlx_mlp_config(64, backward=True)["TLX_HIDDEN_GRAD"]
-    with pytest.raises(ValueError, match="TLX_HIDDEN_GRAD replaces the hidden-gradient GEMM"):
-        tlx_mlp_config(64, (("TLX_HIDDEN_GRAD", True), ("TRITON_BACKWARD", False)), backward=True)
-
-
-def test_backward_takes_another_hidden_grad_gemm():
-    """The "gemms" backward computes its gradients from whatever hidden-gradient GEMM it is given (the TLX
-    backend swaps in its own): one in plain PyTorch with 64-token tiles of column sums, as the TLX kernel
-    writes them, gives the Triton kernel's results; the "tiles" plan has no such GEMM and refuses one."""
-    import torch.nn.functional as F
-
-    import kernels.mlp_sublayer_triton as triton_mlp
-
-    calls = []
-
-    def torch_hidden_grad(grad_out, w2, hidden):
-        calls.append(grad_out.shape)
-        pre = hidden.float()
-        grad_act = grad_out.float() @ w2.float()
-        cdf = 0.5 * (1 + torch.erf(pre * 0.5 ** 0.5))
-        grad_hidden = (grad_act * (cdf + pre * torch.exp(-0.5 * pre * pre) * (2 * torch.pi) ** -0.5)).to(w2.dtype)
-        tiles = -(-pre.shape[0] // 64)
-        padded = F.pad(grad_hidden.float(), (0, 0, 0, tiles * 64 - pre.shape[0]))
-        return grad_hidden, F.gelu(pre).to(w2.dtype), padded.view(tiles, 64, -1).sum(1)
-
-    tokens = 150
-    x, nw, nb, w1, b1, w2, b2 = _leaves(tokens, 32, 64, torch.float32, seed=11)
-    y, hidden, mean, rstd = triton_mlp._forward(x, nw, nb, w1, b1, w2, b2, 1e-5, "")
-    grad_y = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(12))
-    args = (grad_y, x, nw, nb, w1, b1, w2, hidden, mean, rstd, 1e-5)
-    own = triton_mlp._backward(*args, "")
-    swapped = triton_mlp._backward(*args, "", hidden_grad=torch_hidden_grad)
-    names = ("dx", "grad_out", "grad_hidden", "activation", "normed", "db1", "column_parts")
-    for name, a, b in zip(names, own, swapped):
-        if name == "db1":  # per-tile partial sums of different tiles: compare their totals
-            a, b = a.sum(0), b.sum(0)
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
-    assert calls == [(tokens, 32)]
-    with pytest.raises(ValueError, match="the backward plan is 'tiles'"):
-        triton_mlp._backward(*args, '{"bwd": {"plan": "tiles"}}', hidden_grad=torch_hidden_grad)
-
-
 def test_benchmark_runs_variants_on_cpu(tmp_path):
     """benchmarks/bench_sublayer.py end to end at a tiny shape: every row timed and checked
     against the unfused path, a --variant row labelled as given and run with its launch settings."""
