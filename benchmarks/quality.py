@@ -440,7 +440,7 @@ def render(result: dict, notes: str = "") -> str:
             auc = gain["test_auc"]
             per_seed = ", ".join(f"{value:+.4f} (seed {seed})" for value, seed in zip(auc["per_seed"], auc["seeds"]))
             lines.append(f"| {model} | {_cell(auc, '+')} | {_cell(gain['test_logloss'], '+')} | {per_seed} "
-                         f"| {optimizer_pair(*gain.get('optimizer', [None, None]))} |")
+                         f"| {optimizer_pair(*gain['optimizer'])} |")
         lines.append("")
     if notes:
         lines += [notes.strip(), ""]

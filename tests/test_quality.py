@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality import GRID, optimizer_pair, grid_points, main as quality_main, point_label, select
+from benchmarks.quality import GRID, grid_points, main as quality_main, optimizer_pair, point_label, select
 from tests.test_train import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
