@@ -36,7 +36,7 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import Precision
@@ -55,7 +55,9 @@ from models import RankingModel, RankingModelConfig
 from models.baselines import ARCHS, BLOCK_ATTENTION, BaselineConfig, BaselineModel
 from models.flops import sample_token_counts, train_step_flops
 from models import memory
-from training.callbacks import CheckpointConfig, LastCheckpoint, RunProgressBar, StepMetrics, continue_metrics
+from training.callbacks import (
+    BestCheckpoint, CheckpointConfig, LastCheckpoint, RunProgressBar, StepMetrics, continue_metrics,
+)
 from training.pipeline import PipelinedTrainingStep
 from training.precision import kernel_dtype
 from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
@@ -365,8 +367,7 @@ class RankingCLI(LightningCLI):
         callbacks = [
             # Two checkpointers: Lightning 2.6 only refreshes a monitoring checkpointer's last.ckpt
             # when the monitored metric improved, and resuming wants the latest state.
-            ModelCheckpoint(monitor="val/ne", mode="min", filename="best-step{step}-ne{val/ne:.4f}",
-                            auto_insert_metric_name=False),
+            BestCheckpoint(config.checkpoint.best_metric),
             LastCheckpoint(CheckpointConfig(**config.checkpoint.as_dict())),
             StepMetrics(config.model.peak_flops),
             *(self.config_init.get("trainer.callbacks") or []),  # the config's own
@@ -493,26 +494,27 @@ def check_training_memory(net: torch.nn.Module, batch_size: int, trainer: L.Trai
     memory.check_fits(estimate, limit, held, where)
 
 
+def best_checkpoint(trainer: L.Trainer) -> BestCheckpoint:
+    """The run's best-validation checkpointer (train.py puts exactly one into every run)."""
+    return next(c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint))
+
+
 def report_run(trainer: L.Trainer) -> None:
     """Where the run went: its folder, metrics, checkpoints and how to look at it."""
     run_dir = Path(trainer.loggers[0].log_dir)
-    best, last = "", ""
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, LastCheckpoint):
-            last = callback.best_model_path  # its single kept checkpoint
-        elif callback.monitor == "val/ne":
-            best = callback.best_model_path
+    best = best_checkpoint(trainer)
+    last = next((c.best_model_path for c in trainer.checkpoint_callbacks if isinstance(c, LastCheckpoint)), "")
     print(f"run folder: {run_dir}\n  metrics: {run_dir / 'metrics.csv'}\n"
-          f"  best checkpoint (lowest val/ne): {best or 'none (no validation ran)'}\n"
+          f"  best checkpoint ({best.describe()}): {best.best_model_path or 'none (no validation ran)'}\n"
           f"  last checkpoint: {last or 'none'} (resume: --ckpt_path last)\n"
           f"  tensorboard --logdir {run_dir.parent}")
 
 
 def report_test(trainer: L.Trainer, task: RankingTask, datamodule: CTRDataModule, run_dir: Path) -> None:
-    """Scores the test split once, with the checkpoint of the best validation (lowest val/ne): the test
-    part plays no role in choosing it. test.json holds the scores and which checkpoint made them."""
-    best = next((c.best_model_path for c in trainer.checkpoint_callbacks
-                 if not isinstance(c, LastCheckpoint) and c.monitor == "val/ne"), "")
+    """Scores the test split once, with the checkpoint of the best validation (checkpoint.best_metric's:
+    lowest val/ne by default): the test part plays no role in choosing it. test.json holds the scores and
+    which checkpoint made them."""
+    best = best_checkpoint(trainer).best_model_path
     (scores,) = trainer.test(task, datamodule=datamodule, ckpt_path=best or None, weights_only=True, verbose=False)
     result = {"checkpoint": best or "the final weights (no validation ran)", **{k: float(v) for k, v in scores.items()}}
     if trainer.is_global_zero:

@@ -17,7 +17,8 @@ Tuning, per protocol (the recorded commands are in benchmarks/results/quality_ml
      model has the same tuning budget. Each trial is one run (seed 0) of --steps steps: a comparison
      folder OUT/trials/<model>/ with one group per grid point.
   2. A trial's score is the validation AUC of the checkpoint that train.py tests (its validation with
-     the lowest val/ne); the highest score wins, a tie goes to the earlier point. No test number is read.
+     the lowest val/ne, or the highest val/auc with --checkpoint.best_metric=auc); the highest score
+     wins, a tie goes to the earlier point. No test number is read.
   3. OUT/final/ is one comparison with one group per model at its chosen point, seeds 0..N-1; seed 0 is
      the chosen trial's run itself (copied, not trained again: same config and seed).
   4. OUT/tuning.json holds the grid, every trial's score and the chosen points.
@@ -64,6 +65,7 @@ from benchmarks.compare.run import (
     COMPARABLE_BACKENDS, CompareError, Settings, check_out_folder, parse_compare_args, run_name, train_runs,
 )
 from models.baselines import ARCHS, BLOCK_ATTENTION
+from training.callbacks import BEST_METRIC_MODE
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ HISTORY_ABLATION = ("time_split_history", "time_split_no_history")  # (with hist
 # the one regularizer every architecture here has (none has dropout).
 GRID = {"model.optim.lr": (0.002, 0.005, 0.01), "model.optim.weight_decay": (0.01, 0.1)}
 TRIAL_SEED = 0  # every trial runs this seed; it is also the final comparison's seed 0
-SELECTION = ("the validation AUC of the checkpoint train.py tests (the validation with the lowest val/ne); "
+SELECTION = ("the validation AUC of the checkpoint train.py tests (its checkpoint.best_metric's best validation: "
+             "the lowest val/ne unless the runs set auc); "
              "the highest wins, ties go to the earlier grid point; no test number is read")
 RECBOLE = "https://github.com/RUCAIBox/RecBole/blob/master/"
 # RecBole's published test results, each the trial with the best validation AUC of its search.
@@ -134,6 +137,12 @@ def seed_list(summary: dict) -> dict:
 def resolved_config(settings: dict, label: str) -> dict:
     """A comparison group's flattened resolved config (a variant's own, else the base one)."""
     return settings.get("variant_resolved", {}).get(label) or settings["resolved_config"]
+
+
+def best_metric(settings: dict, label: str) -> str:
+    """The validation metric that chose a comparison group's tested checkpoint (train.py's
+    checkpoint.best_metric; "ne" for runs made before it was a setting)."""
+    return resolved_config(settings, label).get("checkpoint.best_metric", "ne")
 
 
 def arch_of(settings: dict, label: str) -> str:
@@ -190,12 +199,14 @@ def open_comparison(settings: Settings) -> None:
     (settings.out / "settings.json").write_text(json.dumps(settings.to_json(), indent=1) + "\n")
 
 
-def trial_score(run: Run) -> dict | None:
-    """A finished trial's validation at the checkpoint train.py tested (lowest val/ne, the first on a
-    tie, as its ModelCheckpoint keeps); None if it failed or never validated."""
-    if run.status != "ok" or run.validation is None or run.validation["ne"].isna().all():
+def trial_score(run: Run, best_metric: str = "ne") -> dict | None:
+    """A finished trial's validation at the checkpoint train.py tested (its checkpoint.best_metric's best:
+    lowest val/ne or highest val/auc, the first on a tie, as its BestCheckpoint keeps); None if it failed
+    or never validated."""
+    if run.status != "ok" or run.validation is None or run.validation[best_metric].isna().all():
         return None
-    step = run.validation["ne"].idxmin()
+    metric = run.validation[best_metric]
+    step = metric.idxmin() if BEST_METRIC_MODE[best_metric] == "min" else metric.idxmax()
     row = run.validation.loc[step]
     return {"val_auc": float(row["auc"]), "val_logloss": float(row["logloss"]), "at_step": int(step)}
 
@@ -233,10 +244,12 @@ def tune(protocol_name: str, attn: str, models: list[str], grid: dict[str, tuple
         return {model: (settings, candidates) for (model, candidates, _), settings in zip(jobs_, comparisons)}
 
     def choose(model: str, settings: Settings, candidates: list[dict]) -> dict:
-        runs = {r.label: r for r in load_comparison(settings.out).runs}
+        comparison = load_comparison(settings.out)
+        runs = {r.label: r for r in comparison.runs}
         # The comparison names its own group (the first candidate) after the backend.
         groups = [attn, *(point_label(point) for point in candidates[1:])]
-        trials = [{"model": model, "setting": point, "group": group, "score": trial_score(runs[group])}
+        trials = [{"model": model, "setting": point, "group": group,
+                   "score": trial_score(runs[group], best_metric(comparison.settings, group))}
                   for group, point in zip(groups, candidates)]
         chosen = select(trials)
         return {"chosen": chosen["setting"], "chosen_val_auc": chosen["score"]["val_auc"],
@@ -387,7 +400,8 @@ def render(result: dict, notes: str = "") -> str:
     lines = ["# Model quality: test AUC and log loss against published baselines", "",
              "Mean ± sample std over seeds (seed_everything: the model's initialization; the split and the batch "
              "order are fixed by data.seed). Each run's "
-             "test score comes from the checkpoint with the best validation (lowest val/ne); where a protocol was "
+             "test score comes from the checkpoint with the best validation (train.py's checkpoint.best_metric: the "
+             "lowest val/ne unless a protocol's runs set auc); where a protocol was "
              "tuned, each model's grid point was chosen by validation AUC. The test part chooses nothing. "
              "Regenerate with `python -m benchmarks.quality` (its docstring).", ""]
     for name, entry in result["protocols"].items():

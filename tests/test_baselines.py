@@ -108,6 +108,7 @@ def test_each_arch_trains_through_train_py_with_its_config(tmp_path, arch):
     ("dcnv2", ["--config", "configs/dcnv2.yaml", "--data.protocol=recbole_context"]),
     ("dcnv2", ["--config", "configs/dcnv2.yaml", "--data.protocol=time_split_history", "--data.max_history_len=16"]),
     ("tiny", ["--data.protocol=time_split_history", "--data.max_history_len=0"]),  # block attention, no history
+    ("dcnv2", ["--config", "configs/dcnv2.yaml", "--data.protocol=recbole_context", "--checkpoint.best_metric=auc"]),
 ])  # fmt: skip
 def test_a_protocol_with_a_test_split_is_scored_by_the_best_validation_checkpoint(tmp_path, run, args):
     shutil.copytree(REPO / "tests" / "fixtures" / "ml-1m-tiny", tmp_path / "cache" / "raw" / "ml-1m")
@@ -123,6 +124,11 @@ def test_a_protocol_with_a_test_split_is_scored_by_the_best_validation_checkpoin
     rows = read_metrics(run_folder)
     assert [float(row["test/auc"]) for row in rows if row.get("test/auc")] == [pytest.approx(scores["test/auc"])]
     assert 0 < scores["test/logloss"] and "test AUC" in result.stdout
+    # The kept checkpoint is the best validation by checkpoint.best_metric: its file name holds that value.
+    metric = "auc" if "--checkpoint.best_metric=auc" in args else "ne"
+    validations = [float(row[f"val/{metric}"]) for row in rows if row.get(f"val/{metric}")]
+    best_value = max(validations) if metric == "auc" else min(validations)
+    assert len(validations) >= 2 and best[0].name.endswith(f"-{metric}{best_value:.4f}.ckpt")
 
 
 @pytest.mark.parametrize("max_history_len", [8, 0])

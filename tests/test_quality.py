@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from benchmarks.quality import GRID, grid_points, main as quality_main, optimizer_pair, point_label, select
+from benchmarks.compare.report import Run
+from benchmarks.quality import (
+    GRID, best_metric, grid_points, main as quality_main, optimizer_pair, point_label, select, trial_score,
+)
 from tests.test_train import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,3 +222,19 @@ def test_bad_tune_arguments_give_a_clear_error(args, message, tmp_path, capsys):
     except SystemExit as exit_:
         code = exit_.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("metric, expected_step", [("ne", 9), ("auc", 19)])
+def test_a_trial_is_scored_at_the_validation_its_best_metric_chose(metric, expected_step):
+    """The lowest val/ne and the highest val/auc fall at different validations (the first of a tie wins,
+    as train.py's BestCheckpoint keeps it); the score is the AUC of the one train.py tested."""
+    validation = pd.DataFrame({"auc": [0.70, 0.72, 0.75, 0.75], "ne": [0.90, 0.85, 0.86, 0.85],
+                               "logloss": [0.60, 0.55, 0.56, 0.55]}, index=[4, 9, 19, 24])
+    run = Run(label="reference", backend="reference", seed=0, status="ok", returncode=0, wall_s=1.0, started=None,
+              folder=None, stderr_tail=[], train=None, validation=validation)
+    score = trial_score(run, metric)
+    assert score["at_step"] == expected_step
+    assert score["val_auc"] == validation.loc[expected_step, "auc"]
+    settings = {"resolved_config": {"checkpoint.best_metric": metric}}
+    assert best_metric(settings, "reference") == metric
+    assert best_metric({"resolved_config": {}}, "reference") == "ne"  # runs made before the setting

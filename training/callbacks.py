@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
@@ -28,14 +29,20 @@ class CheckpointConfig:
     """When checkpoints/last.ckpt is refreshed, besides after every validation, at the end of every fit
     and when SIGTERM stops the run: it bounds the work a kill -9 can lose.
 
+    Also which validation metric picks the best checkpoint, the one the test part is scored with.
+
     Args:
         every_n_steps: after every this many training steps; 0 = not on a step count.
         every_minutes: after the first step this many minutes past the last save; 0 = not on a clock.
             With several processes the clock is read every log_every_n_steps steps (rank 0's decides).
+        best_metric: "ne", the validation with the lowest val/ne (log loss over the base rate's), or "auc",
+            the highest val/auc, as RecBole's context-aware benchmarks choose (their valid_metric: AUC).
+            The first of equal validations is kept.
     """
 
     every_n_steps: int = 500
     every_minutes: float = 5.0
+    best_metric: Literal["ne", "auc"] = "ne"
 
 
 class StepMetrics(Callback):
@@ -151,6 +158,25 @@ class StepMetrics(Callback):
         self.flush(trainer, keep_last=False)
         for logger in trainer.loggers:
             logger.save()
+
+
+# Each best_metric's direction: ModelCheckpoint replaces its kept checkpoint only on a strict improvement.
+BEST_METRIC_MODE = {"ne": "min", "auc": "max"}
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """checkpoints/best-step<N>-<metric><value>.ckpt: the validation that CheckpointConfig.best_metric ranks
+    best, which train.py scores the test part with."""
+
+    def __init__(self, best_metric: str):
+        super().__init__(monitor=f"val/{best_metric}", mode=BEST_METRIC_MODE[best_metric],
+                         filename=f"best-step{{step}}-{best_metric}{{val/{best_metric}:.4f}}",
+                         auto_insert_metric_name=False)
+        self.best_metric = best_metric
+
+    def describe(self) -> str:
+        """How this checkpoint was chosen, e.g. 'lowest val/ne'."""
+        return f"{'lowest' if self.mode == 'min' else 'highest'} {self.monitor}"
 
 
 class LastCheckpoint(ModelCheckpoint):

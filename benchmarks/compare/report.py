@@ -466,7 +466,8 @@ def render_markdown(report: dict) -> str:
             "## Test split",
             "",
             "The held-out test part of the data's protocol, scored once per run by the checkpoint with the best "
-            "validation (lowest val/ne); mean ± sample std over seeds:",
+            "validation (train.py's checkpoint.best_metric: the lowest val/ne unless the runs set auc); mean ± "
+            "sample std over seeds:",
             "",
             markdown_table(test_metrics_table(report)),
             "",
