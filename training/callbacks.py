@@ -172,7 +172,6 @@ class BestCheckpoint(ModelCheckpoint):
         super().__init__(monitor=f"val/{best_metric}", mode=BEST_METRIC_MODE[best_metric],
                          filename=f"best-step{{step}}-{best_metric}{{val/{best_metric}:.4f}}",
                          auto_insert_metric_name=False)
-        self.best_metric = best_metric
 
     def describe(self) -> str:
         """How this checkpoint was chosen, e.g. 'lowest val/ne'."""
