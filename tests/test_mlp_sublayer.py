@@ -11,10 +11,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kernels import check_mlp_backend, mlp_sublayer, mlp_sublayer_reference  # noqa: E402
 from kernels.mlp_dispatch import get_mlp_backend  # noqa: E402
+from kernels.sublayer_triton import _gelu, _gelu_and_grad, _normal_cdf  # noqa: E402
 from kernels.testing import mlp_parity  # noqa: E402
 
 # x's dtype, the matmuls' dtype: plain fp32 (exact), plain fp16, and fp32 x with fp16 matmuls (autocast's split).
@@ -37,6 +40,34 @@ def test_triton_parity_at_the_gpu_configs_width():
     result = mlp_parity("triton", tokens=70, d_model=256, hidden=1024, x_dtype=torch.float32,
                         compute_dtype=torch.float16)
     assert result.ok, result.summary()
+
+
+@triton.jit
+def _gelu_kernel(h_ptr, cdf_ptr, gelu_ptr, gelu_again_ptr, grad_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    gelu, grad = _gelu_and_grad(h)
+    tl.store(cdf_ptr + offs, _normal_cdf(h), mask=mask)
+    tl.store(gelu_ptr + offs, _gelu(h), mask=mask)
+    tl.store(gelu_again_ptr + offs, gelu, mask=mask)
+    tl.store(grad_ptr + offs, grad, mask=mask)
+
+
+def test_gelu_matches_fp64():
+    """The kernels' GELU and its derivative (kernels/sublayer_triton.py's Φ from one erfc fit) against fp64,
+    over the range where fp32 GELU is not yet 0 or the identity, and the edges beyond it."""
+    h = torch.cat([torch.linspace(-14, 14, 40_001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0])])
+    cdf, gelu, gelu_again, grad = (torch.empty_like(h) for _ in range(4))
+    _gelu_kernel[(triton.cdiv(h.numel(), 1024),)](h, cdf, gelu, gelu_again, grad, h.numel(), BLOCK=1024)
+    h64 = h.double()
+    cdf64 = 0.5 * torch.erfc(-h64 / 2**0.5)
+    grad64 = cdf64 + h64 * torch.exp(-0.5 * h64 * h64) / (2 * torch.pi) ** 0.5
+    assert (cdf.double() - cdf64).abs().max() < 3e-7
+    assert ((gelu.double() - h64 * cdf64).abs() / h64.abs().clamp(min=1)).max() < 3e-7
+    assert torch.equal(gelu, gelu_again)
+    assert ((grad.double() - grad64).abs() / h64.abs().clamp(min=1)).max() < 1e-6
+    assert cdf[h > 0].min() >= 0.5 and cdf[h < 0].max() <= 0.5 and (cdf >= 0).all() and (cdf <= 1).all()
 
 
 def test_parity_rule_catches_a_wrong_gradient(monkeypatch):
