@@ -39,25 +39,7 @@ def _row_stats(x, eps, D: tl.constexpr):
 
 @triton.jit
 def _normal_cdf(h):
-    """Φ(h) = erfc(-h/√2) / 2 from one Chebyshev fit of erfc over all of z = |h|/√2 (Press et al., Numerical
-    Recipes, erfcc: fractional error < 1.2e-7), Φ's absolute error within 2.1e-7 of fp64. Why not tl.erf:
-    libdevice's erff picks between two polynomials per element, so on sm_90 each of its coefficients is a
-    predicated register move; at ~25 instructions an element it bounded the fused MLP's GELU epilogues
-    (SASS of the TLX forward: ~1,150 of the ~1,350 instructions of a hidden chunk). One polynomial keeps
-    the coefficients as immediates. tests/test_sublayer_math.py holds it to the fp64 Φ."""
-    z = tl.abs(h) * 0.7071067811865476
-    t = 1.0 / (1.0 + 0.5 * z)
-    p = 0.17087277 * t - 0.82215223
-    p = p * t + 1.48851587
-    p = p * t - 1.13520398
-    p = p * t + 0.27886807
-    p = p * t - 0.18628806
-    p = p * t + 0.09678418
-    p = p * t + 0.37409196
-    p = p * t + 1.00002368
-    p = p * t - 1.26551223
-    half_erfc = 0.5 * t * tl.exp(p - z * z)
-    return tl.where(h >= 0, 1.0 - half_erfc, half_erfc)
+    return 0.5 * (1.0 + tl.erf(h * 0.7071067811865476))
 
 
 @triton.jit

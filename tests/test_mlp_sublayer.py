@@ -55,7 +55,7 @@ def _gelu_kernel(h_ptr, cdf_ptr, gelu_ptr, gelu_again_ptr, grad_ptr, N, BLOCK: t
 
 
 def test_gelu_matches_fp64():
-    """The kernels' GELU and its derivative (kernels/sublayer_triton.py's Φ from one erfc fit) against fp64,
+    """The kernels' GELU and its derivative (kernels/sublayer_triton.py's Φ from tl.erf) against fp64,
     over the range where fp32 GELU is not yet 0 or the identity, and the edges beyond it."""
     h = torch.cat([torch.linspace(-14, 14, 40_001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0])])
     cdf, gelu, gelu_again, grad = (torch.empty_like(h) for _ in range(4))
