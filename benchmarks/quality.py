@@ -304,7 +304,8 @@ def protocol_entry(folder: Path) -> dict:
             raise CompareError(f"{folder}: two groups trained {name}; give each architecture one group")
         config = resolved_config(comparison.settings, label)
         models[name] = {"test_auc": seed_list(metrics["auc"]), "test_logloss": seed_list(metrics["logloss"]),
-                        "group": label, "optimizer": {key: config.get(key) for key in OPTIMIZER_KEYS}}
+                        "group": label, "optimizer": {key: config.get(key) for key in OPTIMIZER_KEYS},
+                        "best_metric": best_metric(comparison.settings, label)}
         if tuning:
             models[name].update({key: tuning["models"][name][key] for key in ("chosen", "chosen_val_auc", "trials")})
     if not models:
@@ -413,6 +414,11 @@ def render(result: dict, notes: str = "") -> str:
         tuning = entry.get("tuning")
         lines += [f"{len(entry['seeds'])} seeds x {entry['steps']} steps on {entry['device']}, {entry['date']}; "
                   f"torch {entry['versions'].get('torch')}. Command: `{entry['command']}`", ""]
+        # Entries from before checkpoint.best_metric existed record none: they all tested the lowest val/ne.
+        tested = sorted({metrics.get("best_metric", "ne") for metrics in entry["models"].values()})
+        lines += ["Tested checkpoint: each run's validation with the " + " or the ".join(
+            f"{'lowest' if BEST_METRIC_MODE[metric] == 'min' else 'highest'} val/{metric}" for metric in tested)
+            + f" (checkpoint.best_metric={'/'.join(tested)}).", ""]
         if tuning:
             grid = " x ".join(f"{key} in {values}" for key, values in tuning["grid"].items())
             lines += [f"Tuned alike: {tuning['trials_per_model']} trials per model ({grid}), each "
