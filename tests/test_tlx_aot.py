@@ -61,18 +61,33 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module", params=TLX_DISTRIBUTIONS)
-def aot_summary(request):
-    tlx_python = os.environ.get(request.param)
-    if not tlx_python:
-        pytest.skip(f"{request.param} is not set (path to a python whose triton has TLX)")
+@pytest.fixture(scope="module")
+def aot_compiles(tmp_path_factory):
+    """Every distribution's compile, started together: each runs on one core for ~3 minutes, and CI has two.
+    {name: (process, stdout path, stderr path)} for the distributions whose python is set."""
+    folder = tmp_path_factory.mktemp("aot")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run(
-        [tlx_python, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800
-    )
-    assert proc.returncode == 0, f"AOT subprocess failed:\n{proc.stderr[-8000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    started = {}
+    for name in TLX_DISTRIBUTIONS:
+        if os.environ.get(name):
+            out, err = folder / f"{name}.out", folder / f"{name}.err"
+            with open(out, "w") as stdout, open(err, "w") as stderr:  # files, not pipes: neither can fill up
+                process = subprocess.Popen([os.environ[name], "-c", _SCRIPT], cwd=REPO, env=env, stdout=stdout,
+                                           stderr=stderr, text=True)
+            started[name] = (process, out, err)
+    yield started
+    for process, _, _ in started.values():
+        process.kill()  # a no-op for the finished ones
+
+
+@pytest.fixture(scope="module", params=TLX_DISTRIBUTIONS)
+def aot_summary(request, aot_compiles):
+    if request.param not in aot_compiles:
+        pytest.skip(f"{request.param} is not set (path to a python whose triton has TLX)")
+    process, out, err = aot_compiles[request.param]
+    assert process.wait(timeout=1800) == 0, f"AOT subprocess failed:\n{err.read_text()[-8000:]}"
+    return json.loads(out.read_text().strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", [cfg.name for cfg in aot_configs()])
