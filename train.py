@@ -505,7 +505,7 @@ def report_run(trainer: L.Trainer) -> None:
     best = best_checkpoint(trainer)
     last = next((c.best_model_path for c in trainer.checkpoint_callbacks if isinstance(c, LastCheckpoint)), "")
     print(f"run folder: {run_dir}\n  metrics: {run_dir / 'metrics.csv'}\n"
-          f"  best checkpoint ({best.describe()}): {best.best_model_path or 'none (no validation ran)'}\n"
+          f"  best checkpoint ({best.description}): {best.best_model_path or 'none (no validation ran)'}\n"
           f"  last checkpoint: {last or 'none'} (resume: --ckpt_path last)\n"
           f"  tensorboard --logdir {run_dir.parent}")
 

@@ -65,7 +65,7 @@ from benchmarks.compare.run import (
     COMPARABLE_BACKENDS, CompareError, Settings, check_out_folder, parse_compare_args, run_name, train_runs,
 )
 from models.baselines import ARCHS, BLOCK_ATTENTION
-from training.callbacks import BEST_METRIC_MODE
+from training.callbacks import BEST_METRIC_MODE, best_validation
 
 
 @dataclass(frozen=True)
@@ -416,9 +416,8 @@ def render(result: dict, notes: str = "") -> str:
                   f"torch {entry['versions'].get('torch')}. Command: `{entry['command']}`", ""]
         # Entries from before checkpoint.best_metric existed record none: they all tested the lowest val/ne.
         tested = sorted({metrics.get("best_metric", "ne") for metrics in entry["models"].values()})
-        lines += ["Tested checkpoint: each run's validation with the " + " or the ".join(
-            f"{'lowest' if BEST_METRIC_MODE[metric] == 'min' else 'highest'} val/{metric}" for metric in tested)
-            + f" (checkpoint.best_metric={'/'.join(tested)}).", ""]
+        lines += ["Tested checkpoint: each run's validation with the " + " or the ".join(map(best_validation, tested))
+                  + f" (checkpoint.best_metric={'/'.join(tested)}).", ""]
         if tuning:
             grid = " x ".join(f"{key} in {values}" for key, values in tuning["grid"].items())
             lines += [f"Tuned alike: {tuning['trials_per_model']} trials per model ({grid}), each "

@@ -164,6 +164,11 @@ class StepMetrics(Callback):
 BEST_METRIC_MODE = {"ne": "min", "auc": "max"}
 
 
+def best_validation(best_metric: str) -> str:
+    """Which validation a best_metric picks, in words: 'lowest val/ne' or 'highest val/auc'."""
+    return f"{'lowest' if BEST_METRIC_MODE[best_metric] == 'min' else 'highest'} val/{best_metric}"
+
+
 class BestCheckpoint(ModelCheckpoint):
     """checkpoints/best-step<N>-<metric><value>.ckpt: the validation that CheckpointConfig.best_metric ranks
     best, which train.py scores the test part with."""
@@ -172,10 +177,7 @@ class BestCheckpoint(ModelCheckpoint):
         super().__init__(monitor=f"val/{best_metric}", mode=BEST_METRIC_MODE[best_metric],
                          filename=f"best-step{{step}}-{best_metric}{{val/{best_metric}:.4f}}",
                          auto_insert_metric_name=False)
-
-    def describe(self) -> str:
-        """How this checkpoint was chosen, e.g. 'lowest val/ne'."""
-        return f"{'lowest' if self.mode == 'min' else 'highest'} {self.monitor}"
+        self.description = best_validation(best_metric)  # how this checkpoint is chosen
 
 
 class LastCheckpoint(ModelCheckpoint):
