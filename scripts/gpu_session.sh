@@ -115,20 +115,20 @@ for s in "$@"; do
     profile_eager) step profile_eager 400 python3 -m benchmarks.profile_step "${GPU_DATA[@]}" --data.num_train=131072 --data.num_val=2048 --warmup 15 --steps 8 --model.net.compile=false --model.net.pad_tokens_to=0 --attn tlx fa2 --out "$OUT/profile_step_eager_$GPU" ;;
     sharding_cuda) step sharding_cuda 300 python3 -m torch.distributed.run --standalone --nproc-per-node 1 tests/sharding_worker.py cuda /tmp "{\"backend\": \"nccl\", \"path\": \"/tmp/sharding_cuda_ckpt\"}" ;;
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
-      # .gpu/compare_h200_runs.tgz and the comparison reuses its finished runs, training only the rest
-      [[ -f .gpu/compare_h200_runs.tgz && ! -d /tmp/compare_h200 ]] && tar xzf .gpu/compare_h200_runs.tgz -C /tmp
+      # .gpu/compare_runs.tgz and the comparison reuses its finished runs, training only the rest
+      [[ -f .gpu/compare_runs.tgz && ! -d /tmp/compare ]] && tar xzf .gpu/compare_runs.tgz -C /tmp
       # COMPARE_VARIANTS: the variant groups (default the fp32 token stream, against configs/gpu.yaml's bf16 one);
-      # 5 groups x 3 seeds take ~27 minutes of an H200, cold compiles included, so a session's device time holds
-      # 5 groups, not 6. One validation, at the end.
+      # 5 groups x 3 seeds took 21 minutes of an H100 (2026-12-07, flex the slowest, cold compiles included), so a
+      # session's device time holds 5 groups, not 6, and only as its first calls. One validation, at the end.
       variants=${COMPARE_VARIANTS-"--variant tlx_fp32_residual tlx model.net.residual_fp32=true"}
       setsid nohup python3 train.py compare --attn ${COMPARE_ATTN:-tlx triton fa2 flex} $variants \
-        "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare_h200 --data.num_val=16384 --trainer.val_check_interval=1000 > /tmp/compare_h200.log 2>&1 < /dev/null &
-      summary+=("compare_start: started, log /tmp/compare_h200.log") ;;
+        "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare --data.num_val=16384 --trainer.val_check_interval=1000 > /tmp/compare.log 2>&1 < /dev/null &
+      summary+=("compare_start: started, log /tmp/compare.log") ;;
     compare_wait) for _ in $(seq $(( ${COMPARE_WAIT_S:-570} / 5 ))); do pgrep -f "train.py compare" > /dev/null || break; sleep 5; done
-      cp /tmp/compare_h200.log "$OUT"/compare.log; cp /tmp/compare_h200/compare.md /tmp/compare_h200/compare.json /tmp/compare_h200/loss_curves.png "$OUT"/ 2>/dev/null
+      cp /tmp/compare.log "$OUT"/compare.log; cp /tmp/compare/compare.md /tmp/compare/compare.json /tmp/compare/loss_curves.png "$OUT"/ 2>/dev/null
       # The runs so far, without checkpoints: `python -m benchmarks.compare report` renders them here if the machine goes.
-      tar czf "$OUT"/compare_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp compare_h200 2>/dev/null
-      summary+=("compare_wait: $(pgrep -f 'train.py compare' > /dev/null && echo still running || echo finished) :: $(grep -E '^\[' /tmp/compare_h200.log | tail -2 | tr '\n' ' ')") ;;
+      tar czf "$OUT"/compare_runs.tgz --exclude='*.ckpt' --exclude=checkpoints -C /tmp compare 2>/dev/null
+      summary+=("compare_wait: $(pgrep -f 'train.py compare' > /dev/null && echo still running || echo finished) :: $(grep -E '^\[' /tmp/compare.log | tail -2 | tr '\n' ' ')") ;;
     quality_start)  # QUALITY_PROTOCOLS (default recbole_ml1m_context; "time_split_history time_split_no_history" for
       # what the history adds) tuned one after another, QUALITY_JOBS runs at a time, QUALITY_ARGS more tune
       # arguments (e.g. --size candidates); a tuning cut short in an earlier session resumes from its
