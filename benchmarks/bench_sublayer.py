@@ -8,7 +8,8 @@ and compiled.
 
 Each sublayer as configs/gpu.yaml trains it: x and the parameters in fp32, the matmuls in bf16 under
 autocast, 155,648 tokens (a batch of 2048 padded to a multiple of 4096), d_model 256:
-- mlp: y = x + W2·GELU(W1·LN(x) + b1) + b2, hidden 1024 (--hidden);
+- mlp: y = x + W2·GELU(W1·LN(x) + b1) + b2, hidden 1024 (--hidden), GELU exact or in its tanh form
+  (--mlp-gelu, model.net.mlp_gelu) in every row;
 - attention: y = x + Wo·blockattn(rotary(split(Wqkv·LN(x) + bqkv))) + bo, 4 heads (--num-heads),
   over jagged sequences of 1 to 151 tokens (mean 76, the gpu config's), rotary on q and k; its
   unfused rows run block attention's --unfused-attn kernel, as the model's unfused layer does.
@@ -105,8 +106,9 @@ def build_impl(name: str, args: argparse.Namespace, device: torch.device, launch
     if args.sublayer == "mlp":
         if name == "unfused_eager":
             return lambda *t: mlp_sublayer_reference(*t, compute_dtype=torch.get_autocast_dtype(device.type)
-                                                     if torch.is_autocast_enabled(device.type) else None)
-        return lambda *t: mlp_sublayer(*t, backend=name, launch=launch)
+                                                     if torch.is_autocast_enabled(device.type) else None,
+                                                     approximate=args.mlp_gelu)
+        return lambda *t: mlp_sublayer(*t, approximate=args.mlp_gelu, backend=name, launch=launch)
     table, offsets = jagged_batch(args.tokens, device)
     head_dim = args.d_model // args.num_heads
     cos, sin = rotary_tables(Rotary(), offsets, args.tokens, head_dim)
@@ -215,7 +217,7 @@ def bench(args: argparse.Namespace) -> dict:
         command="python -m benchmarks.bench_sublayer " + shlex.join(sys.argv[1:]),
         sublayer=args.sublayer,
         shape=dict(tokens=args.tokens, d_model=args.d_model, dtype=args.dtype,
-                   **({"hidden": args.hidden} if args.sublayer == "mlp" else
+                   **({"hidden": args.hidden, "gelu": args.mlp_gelu} if args.sublayer == "mlp" else
                       {"num_heads": args.num_heads, "unfused_attn": args.unfused_attn})),
         ceiling=ceiling, rows=rows,
     )
@@ -224,7 +226,8 @@ def bench(args: argparse.Namespace) -> dict:
 def render_markdown(report: dict) -> str:
     shape = report["shape"]
     if report["sublayer"] == "mlp":
-        title, width = "MLP", f"hidden {shape['hidden']}"
+        gelu = {"none": "exact GELU", "tanh": "GELU in its tanh form"}[shape.get("gelu", "none")]
+        title, width = "MLP", f"hidden {shape['hidden']}, {gelu}"
     else:
         title = "Attention"
         width = (f"{shape['num_heads']} heads, jagged sequences of 1-{MAX_SEQUENCE_TOKENS} tokens, rotary on q and k, "
@@ -270,6 +273,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=155648)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden width")
+    parser.add_argument("--mlp-gelu", default="none", choices=("none", "tanh"),
+                        help="the MLP's GELU in every row, F.gelu's approximate (model.net.mlp_gelu)")
     parser.add_argument("--num-heads", type=int, default=4, help="the attention's heads")
     parser.add_argument("--unfused-attn", default="tlx", help="the block-attention backend of the attention's unfused rows")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))

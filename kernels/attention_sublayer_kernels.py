@@ -85,7 +85,7 @@ def _launchers(attention: str):
         q, k, v = qkv.view(tokens, 3, num_heads, d_model // num_heads).unbind(1)
         attn = attention_ops.forward_launcher(q, k, v, block_start, block_len, num_blocks, cos, sin, rotate_v,
                                               launch)[0]
-        y = residual_gemm(attn.view(tokens, d_model), w_out, b_out, x, False, BLOCK_M, NUM_WARPS, NUM_STAGES)
+        y = residual_gemm(attn.view(tokens, d_model), w_out, b_out, x, None, BLOCK_M, NUM_WARPS, NUM_STAGES)
         return y, qkv, attn, mean, rstd
 
     def backward(grad_y, x, norm_weight, norm_bias, w_qkv, w_out, qkv, attn, mean, rstd, block_start, block_len,

@@ -3,8 +3,8 @@
     y = x + W2 · GELU(W1 · LayerNorm(x) + b1) + b2
 
 It runs as torch.autocast runs the unfused path: LayerNorm in fp32, the two linears (weights and
-biases cast) in `compute_dtype`, GELU (exact, erf form) on the first linear's rounded output, and the
-residual added in x's dtype. With compute_dtype = float64 and fp64 inputs it is the fp64 truth.
+biases cast) in `compute_dtype`, GELU (F.gelu's `approximate`: "none", the exact erf form, or "tanh") on
+the first linear's rounded output, and the residual added in x's dtype. With compute_dtype = float64 and fp64 inputs it is the fp64 truth.
 """
 
 import torch
@@ -21,6 +21,7 @@ def mlp_sublayer_reference(
     b2: torch.Tensor,
     eps: float = 1e-5,
     compute_dtype: torch.dtype | None = None,
+    approximate: str = "none",
 ) -> torch.Tensor:
     """x [T, D]; norm_weight, norm_bias [D]; w1 [H, D], b1 [H], w2 [D, H], b2 [D] (nn.Linear layouts).
     Returns [T, D] in x.dtype."""
@@ -29,5 +30,5 @@ def mlp_sublayer_reference(
     with torch.autocast(x.device.type, enabled=False):  # the dtypes are explicit here
         normed = F.layer_norm(x.to(norm_dtype), x.shape[-1:], norm_weight.to(norm_dtype), norm_bias.to(norm_dtype), eps)
         hidden = F.linear(normed.to(compute_dtype), w1.to(compute_dtype), b1.to(compute_dtype))
-        out = F.linear(F.gelu(hidden), w2.to(compute_dtype), b2.to(compute_dtype))
+        out = F.linear(F.gelu(hidden, approximate=approximate), w2.to(compute_dtype), b2.to(compute_dtype))
         return (x + out.to(x.dtype)).to(x.dtype)

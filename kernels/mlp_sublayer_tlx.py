@@ -39,7 +39,7 @@ try:
 
     # One GELU (and its derivative) for both backends; LayerNorm's backward is the Triton kernel's.
     from .mlp_sublayer_triton import _backward as _triton_backward
-    from .sublayer_triton import _gelu, _gelu_and_grad, layer_norm_backward
+    from .sublayer_triton import _gelu, _gelu_and_grad, layer_norm_backward, tanh_gelu
     from .sublayer_tlx import _layer_norm_to_smem, _load_x_slice, _residual_store, _store_accumulator
 
     HAS_TLX = True
@@ -132,12 +132,12 @@ if HAS_TLX:
 
     @triton.jit
     def _activation_and_second_product(hidden, acc, b1_ptr, w2_buf, hidden_buf, desc_hidden, row0, c,
-                                       dtype: tl.constexpr, CHUNK: tl.constexpr):
+                                       dtype: tl.constexpr, CHUNK: tl.constexpr, TANH_GELU: tl.constexpr):
         """Chunk c's bias and GELU on the first product's fp32 result, then (issued, not waited) the
         second product into acc; the rounded pre-activation leaves by TMA while that runs."""
         b1 = tl.load(b1_ptr + c * CHUNK + tl.arange(0, CHUNK)).to(tl.float32)
         hidden = (hidden + b1[None, :]).to(dtype)
-        activation = _gelu(hidden.to(tl.float32)).to(dtype)
+        activation = _gelu(hidden.to(tl.float32), TANH_GELU).to(dtype)
         acc = tlx.async_dot(activation, tlx.local_trans(w2_buf), acc)
         # TMA writes no row past T; the previous chunk's store has had a chunk's time to read the tile.
         tlx.async_descriptor_store_wait(0)
@@ -176,13 +176,13 @@ if HAS_TLX:
     @triton.jit
     def _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden, desc_activation,
                               db1_parts_ptr, tile, c, T, H, dtype: tl.constexpr, BLOCK: tl.constexpr,
-                              CHUNK: tl.constexpr):
+                              CHUNK: tl.constexpr, TANH_GELU: tl.constexpr):
         """Chunk c of a consumer's tile from dG = dY W2[:, chunk] and the pre-activation (fp32): dH and GELU's
         output staged in SMEM (dH stays there as a wgmma operand) and stored by TMA, dH's column sums into
         row `tile` of b1's partial sums."""
         hcols = tl.arange(0, CHUNK)
         row0 = tile * BLOCK
-        activation, gelu_grad = _gelu_and_grad(hidden)
+        activation, gelu_grad = _gelu_and_grad(hidden, TANH_GELU)
         grad_hidden = (grad_act * gelu_grad).to(dtype)
         # The previous chunk's stores have read the staging tiles.
         tlx.async_descriptor_store_wait(0)
@@ -202,6 +202,7 @@ if HAS_TLX:
         y_ptr, mean_ptr, rstd_ptr,
         T, H, eps,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+        TANH_GELU: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
@@ -252,7 +253,8 @@ if HAS_TLX:
                         hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[slot]))
                         hidden = tlx.async_dot_wait(0, hidden)
                         acc = _activation_and_second_product(
-                            hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK)
+                            hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
+                            TANH_GELU)
                         acc = tlx.async_dot_wait(0, acc)
                         tlx.barrier_arrive(empties[slot], 1)
 
@@ -270,6 +272,7 @@ if HAS_TLX:
         grad_normed_ptr, normed_ptr, db1_parts_ptr,
         T, H, grad_y_stride,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
+        TANH_GELU: tl.constexpr,
     ):
         """The backward's token-tile kernel: per 64-token tile, LN(x) (for dW1's GEMM), and per hidden
         chunk dG = dY W2[:, chunk], dH = dG GELU'(pre-activation), GELU(pre-activation) (for dW2's
@@ -336,7 +339,8 @@ if HAS_TLX:
                         hidden = tlx.local_load(hidden_bufs[slot * NUM_CONSUMERS + cid]).to(tl.float32)
                         grad_act = tlx.async_dot_wait(0, grad_act)
                         _hidden_grad_epilogue(grad_act, hidden, grad_hidden_buf, activation_buf, desc_grad_hidden,
-                                              desc_activation, db1_parts_ptr, tile, c, T, H, dtype, BLOCK, CHUNK)
+                                              desc_activation, db1_parts_ptr, tile, c, T, H, dtype, BLOCK, CHUNK,
+                                              TANH_GELU)
                         acc = tlx.async_dot(grad_hidden_buf, w1_bufs[slot], acc)
                         acc = tlx.async_dot_wait(0, acc)
                         tlx.barrier_arrive(empties[slot], 1)
@@ -349,7 +353,7 @@ if HAS_TLX:
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
+def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, approximate, launch):
     tokens, d_model = x.shape
     hidden_width = w1.shape[0]
     x = x.contiguous()
@@ -374,19 +378,20 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
                                        block_shape=[BLOCK_M, BLOCK_H])
         _tlx_mlp_sublayer_fwd[(grid,)](
             desc_w1, desc_w2, desc_hidden, x, norm_weight, norm_bias, b1, b2, y, mean, rstd, tokens, hidden_width, eps,
-            D=d_model, num_warps=4, num_stages=1, **cfg,
+            D=d_model, TANH_GELU=tanh_gelu(approximate), num_warps=4, num_stages=1, **cfg,
         )
     return y, hidden, mean, rstd
 
 
-def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
+def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, approximate, launch):
     tokens, d_model = x.shape
     hidden_width = w1.shape[0]
     overrides = launch_overrides(launch, "bwd")
     cfg = tlx_mlp_config(d_model, tuple(sorted(overrides.items())), backward=True)
     # A host-side choice, not a kernel constexpr: taken out before cfg reaches a launch.
     if cfg.pop("TRITON_BACKWARD"):
-        return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, "")
+        return _triton_backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, approximate,
+                                "")
     x, grad_y = x.contiguous(), grad_y.contiguous()
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     device, dtype = x.device, w1.dtype
@@ -411,7 +416,8 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
             )
             _tlx_mlp_sublayer_bwd[(max(1, min(_num_sms(device), groups)),)](
                 *descs, grad_y, x, norm_weight, norm_bias, mean, rstd, grad_normed, normed, db1_parts,
-                tokens, hidden_width, grad_y.stride(0), D=d_model, num_warps=4, num_stages=1, **cfg,
+                tokens, hidden_width, grad_y.stride(0), D=d_model, TANH_GELU=tanh_gelu(approximate), num_warps=4,
+                num_stages=1, **cfg,
             )
     column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx)
     return dx, grad_y.to(dtype), grad_hidden_rows[:tokens], activation_rows[:tokens], normed, db1_parts, column_parts

@@ -45,6 +45,7 @@ from .sublayer_triton import (
     layer_norm_forward,
     residual_gemm,
     rows_contiguous,
+    tanh_gelu,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,6 +57,7 @@ def _mlp_sublayer_fwd(
     y_ptr, hidden_ptr, mean_ptr, rstd_ptr,
     T, H, x_stride, eps,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TANH_GELU: tl.constexpr,
 ):
     dtype = w1_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,7 +76,7 @@ def _mlp_sublayer_fwd(
         hidden = tl.dot(normed, tl.trans(w1), input_precision=DOT_PRECISION)
         hidden = (hidden + tl.load(b1_ptr + h0 + hcols).to(tl.float32)[None, :]).to(dtype)
         tl.store(hidden_ptr + rows64[:, None] * H + (h0 + hcols)[None, :], hidden, mask=row_ok[:, None])
-        activation = _gelu(hidden.to(tl.float32)).to(dtype)
+        activation = _gelu(hidden.to(tl.float32), TANH_GELU).to(dtype)
         w2 = tl.load(w2_ptr + cols[:, None] * H + (h0 + hcols)[None, :])
         acc = tl.dot(activation, tl.trans(w2), acc, input_precision=DOT_PRECISION)
     # The second linear's output is rounded to the compute dtype before the residual, as nn.Linear's is.
@@ -91,6 +93,7 @@ def _mlp_sublayer_bwd_tiles(
     dx_ptr, grad_hidden_ptr, activation_ptr, normed_ptr, db1_parts_ptr, column_parts_ptr,
     T, H, x_stride, grad_y_stride,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TANH_GELU: tl.constexpr,
 ):
     dtype = w1_ptr.dtype.element_ty
     tile = tl.program_id(0)
@@ -113,7 +116,7 @@ def _mlp_sublayer_bwd_tiles(
     for h0 in range(0, H, BLOCK_H):
         hidden_offs = rows64[:, None] * H + (h0 + hcols)[None, :]
         hidden = tl.load(hidden_ptr + hidden_offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        activation, gelu_grad = _gelu_and_grad(hidden)
+        activation, gelu_grad = _gelu_and_grad(hidden, TANH_GELU)
         tl.store(activation_ptr + hidden_offs, activation.to(dtype), mask=row_ok[:, None])
         w2 = tl.load(w2_ptr + cols[:, None] * H + (h0 + hcols)[None, :])
         grad_activation = tl.dot(grad_out, w2, input_precision=DOT_PRECISION)
@@ -132,7 +135,7 @@ def _hidden_grad_gemm(
     grad_out_ptr, w2_ptr, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
     T, H,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TANH_GELU: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of dH = (dY · W2) * GELU'(pre-activation), with GELU's output
     (dW2's operand) and dH's column sums (b1's gradient) from the same epilogue: the [T, H] product
@@ -144,7 +147,7 @@ def _hidden_grad_gemm(
     offs = rows64[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
     hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    activation, gelu_grad = _gelu_and_grad(hidden)
+    activation, gelu_grad = _gelu_and_grad(hidden, TANH_GELU)
     tl.store(activation_ptr + offs, activation.to(dtype), mask=ok)
     grad_hidden = (acc * gelu_grad).to(dtype)
     tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
@@ -212,15 +215,16 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
     return replace(default, **overrides)
 
 
-def _constexprs(x: torch.Tensor, w1: torch.Tensor, config: LaunchConfig) -> dict:
-    return dict(D=x.shape[1], BLOCK_M=config.block_m, BLOCK_H=k_chunk(w1.shape[0]), DOT_PRECISION=dot_precision(w1.dtype))
+def _constexprs(x: torch.Tensor, w1: torch.Tensor, config: LaunchConfig, approximate: str) -> dict:
+    return dict(D=x.shape[1], BLOCK_M=config.block_m, BLOCK_H=k_chunk(w1.shape[0]), DOT_PRECISION=dot_precision(w1.dtype),
+                TANH_GELU=tanh_gelu(approximate))
 
 
 def _launch(kernel, programs: int, device: torch.device, config: LaunchConfig, args: tuple, constexprs: dict):
     launch(kernel, programs, device, args, constexprs, config.num_warps, config.num_stages)
 
 
-def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
+def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, approximate, launch):
     tokens, d_model = x.shape
     hidden_width = w1.shape[0]
     x = rows_contiguous(x)
@@ -231,7 +235,7 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
         normed, mean, rstd = layer_norm_forward(x, norm_weight, norm_bias, eps, w1.dtype)
         hidden = bias_gemm(normed, w1, b1, config.block_m, config.block_n, config.num_warps, config.num_stages)
         # GELU runs on the saved pre-activation as the output GEMM loads it.
-        y = residual_gemm(hidden, w2, b2, x, True, config.block_m, config.num_warps, config.num_stages)
+        y = residual_gemm(hidden, w2, b2, x, approximate, config.block_m, config.num_warps, config.num_stages)
         return y, hidden, mean, rstd
     y = torch.empty((tokens, d_model), dtype=x.dtype, device=x.device)
     hidden = torch.empty((tokens, hidden_width), dtype=w1.dtype, device=x.device)
@@ -240,19 +244,19 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, launch):
     if tokens:
         args = (x, norm_weight, norm_bias, w1, b1, w2, b2, y, hidden, mean, rstd, tokens, hidden_width, x.stride(0), eps)
         _launch(_mlp_sublayer_fwd, triton.cdiv(tokens, config.block_m), x.device, config, args,
-                _constexprs(x, w1, config))
+                _constexprs(x, w1, config, approximate))
     return y, hidden, mean, rstd
 
 
-def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, launch):
+def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, approximate, launch):
     x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
     config = launch_config("bwd", x.shape[1], launch)
     plan = _backward_gemms if config.plan == "gemms" else _backward_tiles
-    return plan(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config)
+    return plan(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config, approximate)
 
 
-def _hidden_grad(grad_out, w2, hidden, config):
+def _hidden_grad(grad_out, w2, hidden, config, approximate):
     """dH = (dY · W2) * GELU'(pre-activation), GELU's output and dH's per-tile column sums, by _hidden_grad_gemm."""
     tokens, d_model = grad_out.shape
     hidden_width = w2.shape[1]
@@ -263,17 +267,17 @@ def _hidden_grad(grad_out, w2, hidden, config):
     if tokens:
         args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
         constexprs = dict(D=d_model, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=min(64, d_model),
-                          DOT_PRECISION=dot_precision(w2.dtype))
+                          DOT_PRECISION=dot_precision(w2.dtype), TANH_GELU=tanh_gelu(approximate))
         _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), grad_out.device, config,
                 args, constexprs)
     return grad_hidden, activation, db1_parts
 
 
-def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config):
+def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config, approximate):
     tokens, d_model = x.shape
     # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
     grad_out = grad_y.to(w1.dtype).contiguous()
-    grad_hidden, activation, db1_parts = _hidden_grad(grad_out, w2, hidden, config)
+    grad_hidden, activation, db1_parts = _hidden_grad(grad_out, w2, hidden, config, approximate)
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -282,7 +286,7 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     return dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts
 
 
-def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config):
+def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config, approximate):
     tokens, d_model = x.shape
     hidden_width = w1.shape[0]
     tiles = triton.cdiv(tokens, config.block_m)
@@ -296,7 +300,7 @@ def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     if tokens:
         args = (grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, dx, grad_hidden, activation, normed,
                 db1_parts, column_parts, tokens, hidden_width, x.stride(0), grad_y.stride(0))
-        _launch(_mlp_sublayer_bwd_tiles, tiles, x.device, config, args, _constexprs(x, w1, config))
+        _launch(_mlp_sublayer_bwd_tiles, tiles, x.device, config, args, _constexprs(x, w1, config, approximate))
     return dx, grad_y.to(w1.dtype), grad_hidden, activation, normed, db1_parts, column_parts
 
 

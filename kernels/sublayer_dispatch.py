@@ -84,6 +84,16 @@ class SublayerBackends:
         return self.reference
 
 
+# F.gelu's `approximate`: "none", the exact erf form, or "tanh", which the kernels compute with the GPU's
+# hardware tanh (kernels/sublayer_triton.py's _tanh).
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def check_gelu_approximate(approximate: str) -> None:
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"GELU approximate {approximate!r}: choose one of {GELU_APPROXIMATIONS} (F.gelu's)")
+
+
 def check_sublayer_inputs(x: torch.Tensor) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be (total_tokens, d_model), got shape {tuple(x.shape)}")

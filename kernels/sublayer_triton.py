@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .sublayer_dispatch import check_gelu_approximate
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
@@ -42,16 +44,54 @@ def _normal_cdf(h):
     return 0.5 * (1.0 + tl.erf(h * 0.7071067811865476))
 
 
-@triton.jit
-def _gelu(h):
-    return h * _normal_cdf(h)
+# tanh.approx.f32, the special-function unit's tanh (one instruction; relative error about 2^-11, below bf16's
+# rounding), where libdevice's tanhf and erff are dozens of dependent ALU instructions, and the MLP kernels'
+# epilogues are bound by that chain (benchmarks/results/mlp_gelu_h100.md). The interpreter runs no PTX: there
+# tanh comes from exp.
+_HARDWARE_TANH = tl.constexpr(not _INTERPRETED)
 
 
 @triton.jit
-def _gelu_and_grad(h):
-    """GELU(h) and GELU'(h) from one erf (the costly part: the backward's epilogues are bound by it)."""
-    cdf = _normal_cdf(h)
-    return h * cdf, cdf + h * 0.3989422804014327 * tl.exp(-0.5 * h * h)
+def _tanh(u):
+    if _HARDWARE_TANH:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        decay = tl.exp(-2.0 * tl.abs(u))  # in (0, 1]: no overflow
+        magnitude = (1.0 - decay) / (1.0 + decay)
+        return tl.where(u < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _gelu_tanh_inner(h):
+    return _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h))  # sqrt(2 / pi)
+
+
+@triton.jit
+def _gelu(h, TANH_GELU: tl.constexpr):
+    if TANH_GELU:
+        return 0.5 * h * (1.0 + _gelu_tanh_inner(h))
+    else:
+        return h * _normal_cdf(h)
+
+
+@triton.jit
+def _gelu_and_grad(h, TANH_GELU: tl.constexpr):
+    """GELU(h) and GELU'(h) from one erf or one tanh (the costly part: the backward's epilogues are bound by it)."""
+    if TANH_GELU:
+        t = _gelu_tanh_inner(h)
+        half = 0.5 * (1.0 + t)
+        # d/dh of 0.5 h (1 + tanh(u)), u = sqrt(2/pi) (h + 0.044715 h^3), as torch's gelu_backward takes it.
+        return h * half, half + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * h * h)
+    else:
+        cdf = _normal_cdf(h)
+        return h * cdf, cdf + h * 0.3989422804014327 * tl.exp(-0.5 * h * h)
+
+
+def tanh_gelu(approximate: str) -> bool:
+    """A kernel's constexpr TANH_GELU for F.gelu's `approximate` (a custom op called directly is checked here)."""
+    check_gelu_approximate(approximate)
+    return approximate == "tanh"
 
 
 
@@ -120,7 +160,7 @@ def _bias_gemm(
 def _residual_gemm(
     a_ptr, w_ptr, b_ptr, x_ptr, y_ptr, T, K, x_stride,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GELU_PROLOGUE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TANH_GELU: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """BLOCK_M whole rows of y = x + (act(A) · Wᵀ + b), A [T, K], W [D, K]: with GELU_PROLOGUE, GELU
     runs on A as it loads (the MLP's pre-activation), so its output never reaches HBM (all D columns
@@ -136,7 +176,7 @@ def _residual_gemm(
         # BLOCK_K divides K (k_chunk): no column mask.
         a = tl.load(a_ptr + rows64[:, None] * K + ks[None, :], mask=row_ok[:, None], other=0.0)
         if GELU_PROLOGUE:
-            a = _gelu(a.to(tl.float32)).to(dtype)
+            a = _gelu(a.to(tl.float32), TANH_GELU).to(dtype)
         w = tl.load(w_ptr + cols[None, :] * K + ks[:, None])  # Wᵀ [K, N]
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     # The linear's output is rounded to the compute dtype before the residual, as nn.Linear's is.
@@ -287,13 +327,14 @@ def bias_gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, block_m
     return out
 
 
-def residual_gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, gelu_prologue: bool,
-                  block_m: int, num_warps: int, num_stages: int) -> torch.Tensor:
-    """x + (act(a) · weightᵀ + bias), a [T, K] contiguous, weight [D, K]: [T, D] in x's dtype."""
+def residual_gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor,
+                  gelu_prologue: str | None, block_m: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    """x + (act(a) · weightᵀ + bias), a [T, K] contiguous, weight [D, K]: [T, D] in x's dtype. act is GELU
+    with F.gelu's `approximate` gelu_prologue, or none at all for None."""
     tokens, k = a.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if tokens:
         launch(_residual_gemm, triton.cdiv(tokens, block_m), x.device, (a, weight, bias, x, y, tokens, k, x.stride(0)),
-               dict(D=x.shape[1], BLOCK_M=block_m, BLOCK_K=k_chunk(k), GELU_PROLOGUE=gelu_prologue,
-                    DOT_PRECISION=dot_precision(weight.dtype)), num_warps, num_stages)
+               dict(D=x.shape[1], BLOCK_M=block_m, BLOCK_K=k_chunk(k), GELU_PROLOGUE=gelu_prologue is not None,
+                    TANH_GELU=gelu_prologue == "tanh", DOT_PRECISION=dot_precision(weight.dtype)), num_warps, num_stages)
     return y

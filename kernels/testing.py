@@ -183,28 +183,33 @@ def mlp_parity(
     device: torch.device | str = "cpu",
     seed: int = 0,
     launch: dict | None = None,
+    approximate: str = "none",
 ) -> ParityResult:
     """Judges an mlp_sublayer backend by the module doc's rule on one random batch of `tokens` rows:
     y and the gradients of x and of every parameter, against the fp64 reference on the same (rounded)
     inputs. x (and LayerNorm's affine) are in x_dtype, the linears' weights in compute_dtype (x_dtype
-    if None), as under autocast; the error floor is the compute dtype's."""
+    if None), as under autocast; the error floor is the compute dtype's. `approximate` is GELU's (F.gelu's),
+    the same in the kernel and both references."""
     device = torch.device(device)
     compute_dtype = compute_dtype or x_dtype
     leaves, grad_y = _sublayer_inputs(tokens, d_model, hidden, hidden, d_model ** -0.5, x_dtype, compute_dtype, device,
                                       seed)
     label = (f"T{tokens} D{d_model} H{hidden} x={str(x_dtype).removeprefix('torch.')} "
-             f"compute={str(compute_dtype).removeprefix('torch.')}")
+             f"compute={str(compute_dtype).removeprefix('torch.')}" + (f" gelu={approximate}" if approximate != "none"
+                                                                       else ""))
     result = ParityResult(backend, dict(label=label, tokens=tokens, d_model=d_model, hidden=hidden,
                                         x_dtype=str(x_dtype), compute_dtype=str(compute_dtype), device=str(device),
-                                        seed=seed))
+                                        seed=seed, approximate=approximate))
 
     def kernel(*x):
-        return mlp_sublayer(*x, backend=backend, launch=launch)
+        return mlp_sublayer(*x, approximate=approximate, backend=backend, launch=launch)
+
+    def reference(dtype):
+        return lambda *x: mlp_sublayer_reference(*x, compute_dtype=dtype, approximate=approximate)
 
     runs = [_out_and_grads(kernel, leaves, grad_y) for _ in range(2)]
-    same_precision = _out_and_grads(lambda *x: mlp_sublayer_reference(*x, compute_dtype=compute_dtype), leaves, grad_y)
-    truth = _out_and_grads(lambda *x: mlp_sublayer_reference(*x, compute_dtype=torch.float64),
-                           [x.double() for x in leaves], grad_y.double())
+    same_precision = _out_and_grads(reference(compute_dtype), leaves, grad_y)
+    truth = _out_and_grads(reference(torch.float64), [x.double() for x in leaves], grad_y.double())
     _judge(result, MLP_OUTPUTS, runs, same_precision, truth, compute_dtype)
     return result
 

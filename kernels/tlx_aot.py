@@ -72,10 +72,12 @@ class MlpAotConfig:
     d_model: int
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
+    approximate: str = "none"  # GELU's, F.gelu's argument
 
     @property
     def name(self) -> str:
-        return f"mlp_{self.direction}_d{self.d_model}_x{self.x_dtype}_{self.dtype}"
+        suffix = "" if self.approximate == "none" else f"_gelu_{self.approximate}"
+        return f"mlp_{self.direction}_d{self.d_model}_x{self.x_dtype}_{self.dtype}{suffix}"
 
     @property
     def knobs(self) -> dict:
@@ -88,8 +90,12 @@ class MlpAotConfig:
 
 def mlp_aot_configs() -> list[MlpAotConfig]:
     dtypes = (("fp32", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"))
+    # The tanh GELU changes only the epilogue's arithmetic (one inline PTX instruction): every d_model under
+    # autocast's dtypes, not every dtype again.
     return [MlpAotConfig(direction, d, x_dtype, dtype) for direction in ("fwd", "bwd")
-            for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes]
+            for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes] + [
+        MlpAotConfig(direction, d, approximate="tanh") for direction in ("fwd", "bwd")
+        for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS]
 
 
 def ast_source(fn, signature: dict, constexprs: dict, divisible) -> "ASTSource":
@@ -111,7 +117,7 @@ def ast_source(fn, signature: dict, constexprs: dict, divisible) -> "ASTSource":
 
 def _mlp_source(cfg: MlpAotConfig):
     D, chunk, dt = cfg.d_model, mlp_sublayer_tlx.BLOCK_H, cfg.dtype
-    constexprs = dict(D=D, **cfg.knobs)
+    constexprs = dict(D=D, TANH_GELU=cfg.approximate == "tanh", **cfg.knobs)
     weights = dict(desc_w1=f"tensordesc<{dt}[{chunk}, {D}]>", desc_w2=f"tensordesc<{dt}[{D}, {chunk}]>")
     chunk_desc = f"tensordesc<{dt}[64, {chunk}]>"
     if cfg.direction == "fwd":

@@ -77,6 +77,10 @@ class RankingModelConfig:
             the H200, benchmarks/results/attention_sublayer_h200.md) and the tlx backend (TLX kernels,
             compiled for sm_90 but not yet run on a GPU) have.
         fused_mlp: the same for each layer's LayerNorm + MLP + residual (kernels.mlp_sublayer).
+        mlp_gelu: the layers' MLP activation, nn.GELU's `approximate`: "none", the exact erf form, or
+            "tanh", the tanh form, which the fused MLP kernels compute with the GPU's hardware tanh (their
+            epilogues are bound by erf's instructions: benchmarks/results/mlp_gelu_h100.md); fused or
+            not, the model computes the same function. The head's and dense MLPs stay exact.
         compile: torch.compile the DenseTower (token building, attention layers, norm, pooling,
             head); the embedding lookups stay eager. The attention kernels are custom ops, opaque to it.
         compile_mode: torch.compile's mode; "reduce-overhead" also replays the tower from CUDA graphs,
@@ -155,6 +159,7 @@ class RankingModelConfig:
     fused_attention: bool = False
     attention_sublayer_plan: Literal["gemms", "blocks"] = "gemms"
     fused_mlp: bool = False
+    mlp_gelu: Literal["none", "tanh"] = "none"
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     pad_tokens_to: int = 0
@@ -239,9 +244,10 @@ class EmbeddedFeatures:
         return self.dense, self.categorical, self.history, self.history_lengths
 
 
-def mlp(d_in: int, d_hidden: int, d_out: int, hidden_layers: int = 1) -> nn.Sequential:
+def mlp(d_in: int, d_hidden: int, d_out: int, hidden_layers: int = 1, gelu: str = "none") -> nn.Sequential:
     widths = [d_in] + [d_hidden] * hidden_layers
-    hidden = [module for w_in, w_out in zip(widths, widths[1:]) for module in (nn.Linear(w_in, w_out), nn.GELU())]
+    hidden = [module for w_in, w_out in zip(widths, widths[1:])
+              for module in (nn.Linear(w_in, w_out), nn.GELU(approximate=gelu))]
     return nn.Sequential(*hidden, nn.Linear(d_hidden, d_out))
 
 
@@ -260,7 +266,7 @@ class AttentionLayer(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.mlp_norm = nn.LayerNorm(config.d_model)
-        self.mlp = mlp(config.d_model, config.mlp_ratio * config.d_model, config.d_model)
+        self.mlp = mlp(config.d_model, config.mlp_ratio * config.d_model, config.d_model, gelu=config.mlp_gelu)
         if config.residual_init == "zero":
             for branch_out in (self.out_proj, self.mlp[-1]):
                 nn.init.zeros_(branch_out.weight)
@@ -284,9 +290,9 @@ class AttentionLayer(nn.Module):
         if self.mlp_backend is None:
             return x + self.mlp(self.mlp_norm(x))
         # The same parameters (and state dict) as the unfused path, in one op.
-        up, down = self.mlp[0], self.mlp[2]
+        up, activation, down = self.mlp
         return mlp_sublayer(x, self.mlp_norm.weight, self.mlp_norm.bias, up.weight, up.bias, down.weight, down.bias,
-                            eps=self.mlp_norm.eps, backend=self.mlp_backend)
+                            eps=self.mlp_norm.eps, approximate=activation.approximate, backend=self.mlp_backend)
 
 
 def readout_fields(config: RankingModelConfig, num_fixed_tokens: int) -> int:

@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache, profile_c_path,
 # profile_eager_c_path, profile_vs_base.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
@@ -54,6 +54,19 @@ for s in "$@"; do
     # mlp_sublayer_h200.md, the GEMMs as persistent programs in mlp_sublayer_h100.md, the hidden-gradient GEMM
     # as a TLX warp-specialized kernel in mlp_tlx_hidden_grad_h{100,200}.md; pass --variant to add one.)
     mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_$GPU" --profile ;;
+    # The MLP sublayer with exact GELU, then its tanh form (model.net.mlp_gelu=tanh: the kernels' hardware tanh), every
+    # row in both, back to back; mlp_gelu_parity: the tanh form's GPU parity and opcheck tests.
+    mlp_gelu) for gelu in none tanh; do
+        step mlp_gelu_$gelu 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu $gelu --profile \
+          --out "$OUT/mlp_sublayer_gelu_${gelu}_$GPU"
+      done ;;
+    # The tlx step with exact GELU unfused, then the tanh form unfused and with the fused MLP, back to back.
+    profile_mlp_gelu) for run in "none false" "tanh false" "tanh true"; do read -r gelu fused <<< "$run"
+        step profile_mlp_gelu_${gelu}_fused_$fused 450 "${PROFILE_STEP[@]}" --attn tlx --model.net.mlp_gelu=$gelu \
+          --model.net.fused_mlp=$fused --out "$OUT/profile_step_mlp_gelu_${gelu}_fused_mlp_${fused}_$GPU"
+      done ;;
+    mlp_gelu_parity) step mlp_gelu_parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py \
+        -k "mlp_parity_tanh_gelu or mlp_custom_ops" ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.

@@ -154,6 +154,19 @@ def test_mlp_parity(backend, d_model, hidden, dtypes):
         assert result.ok, result.summary()
 
 
+@pytest.mark.parametrize("d_model,hidden", ((64, 256), (256, 1024)))
+@pytest.mark.parametrize("backend", MLP_KERNEL_BACKENDS)
+def test_mlp_parity_tanh_gelu(backend, d_model, hidden):
+    """approximate="tanh": the hardware tanh (tanh.approx.f32) in every GELU and GELU' site, by the same
+    rule, against the tanh-form references, under autocast's dtypes."""
+    _mlp_runnable(backend, d_model, hidden, torch.float32, torch.bfloat16)
+    for tokens in (1, 200, 5000 + 17):
+        result = mlp_parity(backend, tokens=tokens, d_model=d_model, hidden=hidden, x_dtype=torch.float32,
+                            compute_dtype=torch.bfloat16, device="cuda", seed=tokens, approximate="tanh")
+        print(result.summary())
+        assert result.ok, result.summary()
+
+
 @pytest.mark.parametrize("backend", MLP_KERNEL_BACKENDS)
 def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
     _mlp_runnable(backend, 64, 256, torch.float32, torch.bfloat16)
@@ -161,7 +174,7 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
     x, nw, nb = (torch.randn(*shape, device="cuda", requires_grad=True) for shape in ((300, 64), (64,), (64,)))
     w1, b1, w2, b2 = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                       for shape in ((256, 64), (256,), (64, 256), (64,)))
-    torch.library.opcheck(ops.forward_op, (x, nw, nb, w1, b1, w2, b2, 1e-5, ""))
+    torch.library.opcheck(ops.forward_op, (x, nw, nb, w1, b1, w2, b2, 1e-5, "none", ""))
 
 
 # The TLX kernels' tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS).

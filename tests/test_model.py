@@ -418,6 +418,36 @@ def test_fused_sublayer_switch_keeps_the_model(switch, backend):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("backend", ("reference", "triton"))
+def test_mlp_gelu_tanh_reaches_both_paths(backend):
+    """model.net.mlp_gelu="tanh": the unfused layers' nn.GELU and the fused MLP op (reference bitwise, the
+    Triton kernels under the interpreter in fp32) compute the same tanh-form model, loss and every gradient,
+    and it is not the exact-GELU model."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+    config = dataclasses.replace(CONFIG, d_model=64, attn_backend="reference", mlp_gelu="tanh")
+    torch.manual_seed(0)
+    model = RankingModel(SCHEMA, config)
+    assert {layer.mlp[1].approximate for layer in model.tower.layers} == {"tanh"}
+    batch = make_batch(clicks_lengths=[0, 70, 3, 100], views_lengths=[2, 0, 5, 8])
+    expected_loss = model.loss(model(batch)[0], batch.labels)
+    expected_grads = torch.autograd.grad(expected_loss, list(model.parameters()))
+    exact = RankingModel(SCHEMA, dataclasses.replace(config, mlp_gelu="none"))
+    exact.load_state_dict(model.state_dict())
+    assert not torch.equal(exact.loss(exact(batch)[0], batch.labels), expected_loss)
+    fused = RankingModel(SCHEMA, dataclasses.replace(config, fused_mlp=True))
+    for layer in fused.tower.layers:
+        layer.mlp_backend = backend
+    fused.load_state_dict(model.state_dict())
+    loss = fused.loss(fused(batch)[0], batch.labels)
+    grads = torch.autograd.grad(loss, list(fused.parameters()))
+    if backend == "reference":
+        assert torch.equal(loss, expected_loss) and all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for (name, _), a, b in zip(model.named_parameters(), grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_the_per_block_attention_plan_needs_the_triton_or_tlx_backend():
     layer = RankingModel(SCHEMA, dataclasses.replace(CONFIG, attn_backend="triton", fused_attention=True,
                                                      attention_sublayer_plan="blocks")).tower.layers[0]

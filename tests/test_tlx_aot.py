@@ -52,6 +52,7 @@ _SCRIPT = textwrap.dedent(
                 triton=triton.__version__,
                 ptx_setmaxnreg=ptx.count("setmaxnreg"),
                 ptx_mma_sync=ptx.count("mma.sync"),
+                ptx_tanh_approx=ptx.count("tanh.approx.f32"),
                 sass_hgmma=sass.count("HGMMA"),
                 sass_utmaldg=sass.count("UTMALDG"),
                 sass_utmastg=sass.count("UTMASTG"),
@@ -112,6 +113,8 @@ def test_tlx_kernel_compiles_to_sm90_wgmma_tma(aot_summary, name):
         assert res["ptx_tma_store"] > 0 and res["sass_utmastg"] > 0, f"O_TMA_STORE without a TMA store: {res}"
     else:
         assert res["ptx_tma_store"] == 0, f"unexpected TMA store: {res}"
+    # The tanh GELU is the special-function unit's instruction, and only where asked for.
+    assert (res["ptx_tanh_approx"] > 0) == name.endswith("_gelu_tanh"), f"tanh.approx.f32 count: {res}"
 
 
 def test_tlx_module_imports_without_tlx():
