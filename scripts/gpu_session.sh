@@ -55,10 +55,12 @@ for s in "$@"; do
     # as a TLX warp-specialized kernel in mlp_tlx_hidden_grad_h{100,200}.md; pass --variant to add one.)
     mlp_bench) step mlp_bench 500 python3 -m benchmarks.bench_sublayer --sublayer mlp --out "$OUT/mlp_sublayer_$GPU" --profile ;;
     # The MLP sublayer with exact GELU, then its tanh form (model.net.mlp_gelu=tanh: the kernels' hardware tanh), every
-    # row in both, back to back; mlp_gelu_parity: the tanh form's GPU parity and opcheck tests.
+    # row in both, back to back, with the TLX forward's PIPELINE rows; mlp_gelu_parity: the tanh form's GPU parity,
+    # opcheck, and every TLX knob's parity in both forms.
     mlp_gelu) for gelu in none tanh; do
         step mlp_gelu_$gelu 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu $gelu --profile \
-          --out "$OUT/mlp_sublayer_gelu_${gelu}_$GPU"
+          --out "$OUT/mlp_sublayer_gelu_${gelu}_$GPU" --variant tlx_pipeline tlx '{"fwd": {"PIPELINE": true}}' \
+          --variant tlx_pipeline_one_consumer tlx '{"fwd": {"PIPELINE": true, "NUM_CONSUMERS": 1}}'
       done ;;
     # The tlx step with exact GELU unfused, then the tanh form unfused and with the fused MLP, back to back.
     profile_mlp_gelu) for run in "none false" "tanh false" "tanh true"; do read -r gelu fused <<< "$run"
@@ -66,7 +68,7 @@ for s in "$@"; do
           --model.net.fused_mlp=$fused --out "$OUT/profile_step_mlp_gelu_${gelu}_fused_mlp_${fused}_$GPU"
       done ;;
     mlp_gelu_parity) step mlp_gelu_parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py \
-        -k "mlp_parity_tanh_gelu or mlp_custom_ops" ;;
+        -k "mlp_parity_tanh_gelu or mlp_custom_ops or mlp_parity_tlx_variants" ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.

@@ -179,20 +179,23 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
 
 # The TLX kernels' tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS).
 TLX_MLP_VARIANTS = {"one_consumer": {"fwd": {"NUM_CONSUMERS": 1}},
-                    "tlx_tiles_backward": {"bwd": {"TRITON_BACKWARD": False}}}
+                    "tlx_tiles_backward": {"bwd": {"TRITON_BACKWARD": False}},
+                    "pipeline": {"fwd": {"PIPELINE": True}},
+                    "pipeline_one_consumer": {"fwd": {"PIPELINE": True, "NUM_CONSUMERS": 1}}}
 
 
+@pytest.mark.parametrize("approximate", ("none", "tanh"))
 @pytest.mark.parametrize("dtypes", ("bf16", "fp32_x_bf16_matmul"))
 @pytest.mark.parametrize("d_model,hidden", ((64, 256), (256, 1024)))
 @pytest.mark.parametrize("variant", TLX_MLP_VARIANTS)
-def test_mlp_parity_tlx_variants(variant, d_model, hidden, dtypes):
+def test_mlp_parity_tlx_variants(variant, d_model, hidden, dtypes, approximate):
     x_dtype, compute_dtype = MLP_DTYPES[dtypes]
     _mlp_runnable("tlx", d_model, hidden, x_dtype, compute_dtype)
     # 1 and 200 tokens: an odd number of tiles, so one consumer's last tile lies wholly past T.
     for tokens in (1, 200, 5000 + 17):
         result = mlp_parity("tlx", tokens=tokens, d_model=d_model, hidden=hidden, x_dtype=x_dtype,
                             compute_dtype=compute_dtype, device="cuda", seed=tokens,
-                            launch=TLX_MLP_VARIANTS[variant])
+                            launch=TLX_MLP_VARIANTS[variant], approximate=approximate)
         print(result.summary())
         assert result.ok, result.summary()
 

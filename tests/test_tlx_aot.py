@@ -114,7 +114,7 @@ def test_tlx_kernel_compiles_to_sm90_wgmma_tma(aot_summary, name):
     else:
         assert res["ptx_tma_store"] == 0, f"unexpected TMA store: {res}"
     # The tanh GELU is the special-function unit's instruction, and only where asked for.
-    assert (res["ptx_tanh_approx"] > 0) == name.endswith("_gelu_tanh"), f"tanh.approx.f32 count: {res}"
+    assert (res["ptx_tanh_approx"] > 0) == ("_gelu_tanh" in name), f"tanh.approx.f32 count: {res}"
 
 
 def test_tlx_module_imports_without_tlx():
