@@ -141,6 +141,12 @@ if HAS_TLX:
         tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, h0], fulls[slot])
 
     @triton.jit
+    def _first_product(normed_buf, w1_bufs, fulls, k, NUM_STAGES: tl.constexpr):
+        """Ring step k's first product LN(x) · W1[chunk]ᵀ, issued once its slot is full (not waited)."""
+        tlx.barrier_wait(fulls[k % NUM_STAGES], (k // NUM_STAGES) & 1)
+        return tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[k % NUM_STAGES]))
+
+    @triton.jit
     def _activation_and_second_product(hidden, acc, b1_ptr, w2_buf, hidden_buf, desc_hidden, row0, c,
                                        dtype: tl.constexpr, CHUNK: tl.constexpr, TANH_GELU: tl.constexpr):
         """Chunk c's bias and GELU on the first product's fp32 result, then (issued, not waited) the
@@ -257,14 +263,10 @@ if HAS_TLX:
                     if PIPELINE:
                         # And chunk c + 1's first product while this consumer's own bias and GELU of chunk c
                         # run: the ring holds chunks c and c + 1 (NUM_STAGES >= 2).
-                        tlx.barrier_wait(fulls[k0 % NUM_STAGES], (k0 // NUM_STAGES) & 1)
-                        hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[k0 % NUM_STAGES]))
-                        hidden = tlx.async_dot_wait(0, hidden)
+                        hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0, NUM_STAGES))
                         for c in range(0, num_chunks - 1):
                             slot = (k0 + c) % NUM_STAGES
-                            next_slot = (k0 + c + 1) % NUM_STAGES
-                            tlx.barrier_wait(fulls[next_slot], ((k0 + c + 1) // NUM_STAGES) & 1)
-                            next_hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[next_slot]))
+                            next_hidden = _first_product(normed_buf, w1_bufs, fulls, k0 + c + 1, NUM_STAGES)
                             acc = _activation_and_second_product(
                                 hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
                                 TANH_GELU)
@@ -281,9 +283,8 @@ if HAS_TLX:
                     else:
                         for c in range(0, num_chunks):
                             slot = (k0 + c) % NUM_STAGES
-                            tlx.barrier_wait(fulls[slot], ((k0 + c) // NUM_STAGES) & 1)
-                            hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[slot]))
-                            hidden = tlx.async_dot_wait(0, hidden)
+                            hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0 + c,
+                                                                          NUM_STAGES))
                             acc = _activation_and_second_product(
                                 hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
                                 TANH_GELU)
