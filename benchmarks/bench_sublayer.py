@@ -44,6 +44,7 @@ from kernels import (
     offsets_from_lengths,
     rotary_tables,
 )
+from kernels.sublayer_dispatch import GELU_APPROXIMATIONS
 
 SUBLAYERS = ("mlp", "attention")
 IMPLS = ("unfused_eager", "unfused_compiled", "triton", "tlx")
@@ -273,7 +274,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=155648)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden width")
-    parser.add_argument("--mlp-gelu", default="none", choices=("none", "tanh"),
+    parser.add_argument("--mlp-gelu", default="none", choices=GELU_APPROXIMATIONS,
                         help="the MLP's GELU in every row, F.gelu's approximate (model.net.mlp_gelu)")
     parser.add_argument("--num-heads", type=int, default=4, help="the attention's heads")
     parser.add_argument("--unfused-attn", default="tlx", help="the block-attention backend of the attention's unfused rows")

@@ -22,6 +22,7 @@ if HAS_TLX:
     from .attention_sublayer_tlx import _tlx_attention_sublayer_bwd, _tlx_attention_sublayer_fwd
     from .mlp_sublayer_tlx import _tlx_mlp_sublayer_bwd, _tlx_mlp_sublayer_fwd
     from .block_attention_tlx import _tlx_block_attn_bwd, _tlx_block_attn_fwd
+    from .sublayer_triton import tanh_gelu
 
 
 # Tuning variants that `python -m benchmarks.sweep --backend tlx` times on the GPU: name -> (fwd
@@ -121,7 +122,7 @@ def ast_source(fn, signature: dict, constexprs: dict, divisible) -> "ASTSource":
 
 def _mlp_source(cfg: MlpAotConfig):
     D, chunk, dt = cfg.d_model, mlp_sublayer_tlx.BLOCK_H, cfg.dtype
-    constexprs = dict(D=D, TANH_GELU=cfg.approximate == "tanh", **cfg.knobs)
+    constexprs = dict(D=D, TANH_GELU=tanh_gelu(cfg.approximate), **cfg.knobs)
     weights = dict(desc_w1=f"tensordesc<{dt}[{chunk}, {D}]>", desc_w2=f"tensordesc<{dt}[{D}, {chunk}]>")
     chunk_desc = f"tensordesc<{dt}[64, {chunk}]>"
     if cfg.direction == "fwd":
