@@ -70,7 +70,7 @@ for s in "$@"; do
           --model.net.fused_mlp=$fused --out "$OUT/profile_step_mlp_gelu_${gelu}_fused_mlp_${fused}_$GPU"
       done ;;
     mlp_gelu_parity) step mlp_gelu_parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py \
-        -k "mlp_parity_tanh_gelu or mlp_custom_ops or mlp_parity_tlx_variants" ;;
+        -k "(test_mlp_parity and tanh) or mlp_custom_ops or mlp_parity_tlx_variants" ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.
