@@ -168,9 +168,7 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
 
 # The TLX kernels' tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS).
 TLX_MLP_VARIANTS = {"one_consumer": {"fwd": {"NUM_CONSUMERS": 1}},
-                    "tlx_tiles_backward": {"bwd": {"TRITON_BACKWARD": False}},
-                    "pipeline": {"fwd": {"PIPELINE": True}},
-                    "pipeline_one_consumer": {"fwd": {"PIPELINE": True, "NUM_CONSUMERS": 1}}}
+                    "tlx_tiles_backward": {"bwd": {"TRITON_BACKWARD": False}}}
 
 
 @pytest.mark.parametrize("approximate", ("none", "tanh"))

@@ -355,13 +355,6 @@ def test_tlx_configs_fit_and_knobs_are_checked():
         tlx_mlp_config(256, (("TRITON_BACKWARD", True),))
     with pytest.raises(ValueError, match="needs .* B of shared memory"):
         tlx_mlp_config(256, (("NUM_STAGES", 4),))
-    # The forward's PIPELINE knob: off by default, a forward knob only, and it needs the ring to hold two chunks.
-    assert tlx_mlp_config(256)["PIPELINE"] is False
-    assert tlx_mlp_config(256, (("PIPELINE", True),)) == dict(tlx_mlp_config(256), PIPELINE=True)
-    with pytest.raises(ValueError, match="unknown TLX mlp_sublayer bwd tuning knobs \\['PIPELINE'\\]"):
-        tlx_mlp_config(256, (("PIPELINE", True),), backward=True)
-    with pytest.raises(ValueError, match="PIPELINE needs a ring of 2 or more slots at d_model 256, got 1"):
-        tlx_mlp_config(256, (("PIPELINE", True), ("NUM_STAGES", 1)))
 
 
 def test_benchmark_runs_variants_on_cpu(tmp_path):

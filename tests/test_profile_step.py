@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_step import SOURCE_DEPTH, SYNC_OPS, host_phases, sync_source, union_length
+from benchmarks.profile_step import SOURCE_DEPTH, SYNC_OPS, host_phases, kernel_family, sync_source, union_length
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,22 @@ def test_union_length_counts_overlaps_once():
 class _Event:
     def __init__(self, name, parent=None):
         self.name, self.cpu_parent = name, parent
+
+
+@pytest.mark.parametrize("kernel, family", [
+    # Names as an H100 profile of the fused MLP step listed them (profile_step_mlp_gelu_tanh_fused_mlp_true_h100.md).
+    ("_tlx_mlp_sublayer_fwd", "fused sublayers"),
+    ("_hidden_grad_gemm", "fused sublayers"),
+    ("_layer_norm_bwd_tiles", "fused sublayers"),
+    ("_tlx_attention_sublayer_bwd", "fused sublayers"),
+    ("_attention_sublayer_fwd_blocks", "fused sublayers"),
+    ("_tlx_block_attn_bwd", "attention"),
+    ("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_splitK_NTT", "matmul (projections, MLPs)"),
+    ("triton_per_fused__to_copy_native_layer_norm_23", "norms, activations, softmax, elementwise"),
+    ("some_new_kernel", "other kernels"),
+])
+def test_kernel_families(kernel, family):
+    assert kernel_family(kernel) == family
 
 
 def test_sync_source_names_the_enclosing_operators_innermost_first():
