@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, mlp_weight_grad, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache, profile_c_path,
 # profile_eager_c_path, profile_vs_base.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
@@ -67,7 +67,16 @@ for s in "$@"; do
           --model.net.fused_mlp=$fused --out "$OUT/profile_step_mlp_gelu_${gelu}_fused_mlp_${fused}_$GPU"
       done ;;
     mlp_gelu_parity) step mlp_gelu_parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py \
-        -k "(test_mlp_parity and tanh) or mlp_custom_ops or mlp_parity_tlx_variants" ;;
+        -k "(test_mlp_parity and tanh) or mlp_custom_ops or mlp_parity_variants" ;;
+    # The backward's dW2 from the saved pre-activation, GELU applied as the GEMM loads it (no [T, H] GELU output
+    # through HBM), against cuBLAS over GELU's output, in the tanh form: the triton row's backward is the tlx row's.
+    # Its GPU parity: PARITY_K=mlp_parity_variants gpu_session.sh parity.
+    mlp_weight_grad) step mlp_weight_grad 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu tanh \
+        --profile --out "$OUT/mlp_sublayer_weight_grad_$GPU" \
+        --variant triton_gelu_weight_grad triton '{"bwd": {"gelu_weight_grad": true}}' \
+        --variant triton_gelu_weight_grad_n64 triton '{"bwd": {"gelu_weight_grad": true, "weight_grad_block_n": 64}}' \
+        --variant triton_gelu_weight_grad_n64_w4 triton \
+          '{"bwd": {"gelu_weight_grad": true, "weight_grad_block_n": 64, "weight_grad_warps": 4}}' ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.

@@ -166,23 +166,27 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
     torch.library.opcheck(ops.forward_op, (x, nw, nb, w1, b1, w2, b2, 1e-5, "none", ""))
 
 
-# The TLX kernels' tuning variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS).
-TLX_MLP_VARIANTS = {"one_consumer": {"fwd": {"NUM_CONSUMERS": 1}},
-                    "tlx_tiles_backward": {"bwd": {"TRITON_BACKWARD": False}}}
+# The kernel backends' launch variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS;
+# kernels.mlp_sublayer_triton.LaunchConfig): name -> (backend, launch).
+MLP_VARIANTS = {"tlx_one_consumer": ("tlx", {"fwd": {"NUM_CONSUMERS": 1}}),
+                "tlx_tiles_backward": ("tlx", {"bwd": {"TRITON_BACKWARD": False}}),
+                "triton_gelu_weight_grad": ("triton", {"bwd": {"gelu_weight_grad": True}})}
 
 
 @pytest.mark.parametrize("approximate", ("none", "tanh"))
 @pytest.mark.parametrize("dtypes", ("bf16", "fp32_x_bf16_matmul"))
 @pytest.mark.parametrize("d_model,hidden", ((64, 256), (256, 1024)))
-@pytest.mark.parametrize("variant", TLX_MLP_VARIANTS)
-def test_mlp_parity_tlx_variants(variant, d_model, hidden, dtypes, approximate):
+@pytest.mark.parametrize("variant", MLP_VARIANTS)
+def test_mlp_parity_variants(variant, d_model, hidden, dtypes, approximate):
+    backend, launch = MLP_VARIANTS[variant]
     x_dtype, compute_dtype = MLP_DTYPES[dtypes]
-    _mlp_runnable("tlx", d_model, hidden, x_dtype, compute_dtype)
-    # 1 and 200 tokens: an odd number of tiles, so one consumer's last tile lies wholly past T.
-    for tokens in (1, 200, 5000 + 17):
-        result = mlp_parity("tlx", tokens=tokens, d_model=d_model, hidden=hidden, x_dtype=x_dtype,
-                            compute_dtype=compute_dtype, device="cuda", seed=tokens,
-                            launch=TLX_MLP_VARIANTS[variant], approximate=approximate)
+    _mlp_runnable(backend, d_model, hidden, x_dtype, compute_dtype)
+    # 1 and 200 tokens: an odd number of tiles, so one TLX consumer's last tile lies wholly past T; 24,593: four
+    # splits of dW2's GELU-prologue GEMM (GELU_WEIGHT_GRAD_SPLIT_TOKENS), the last partial.
+    for tokens in (1, 200, 5000 + 17, 3 * 8192 + 17):
+        result = mlp_parity(backend, tokens=tokens, d_model=d_model, hidden=hidden, x_dtype=x_dtype,
+                            compute_dtype=compute_dtype, device="cuda", seed=tokens, launch=launch,
+                            approximate=approximate)
         print(result.summary())
         assert result.ok, result.summary()
 
