@@ -70,13 +70,19 @@ for s in "$@"; do
         -k "(test_mlp_parity and tanh) or mlp_custom_ops or mlp_parity_variants" ;;
     # The backward's dW2 from the saved pre-activation, GELU applied as the GEMM loads it (no [T, H] GELU output
     # through HBM), against cuBLAS over GELU's output, in the tanh form: the triton row's backward is the tlx row's.
+    # Then the hidden-gradient GEMM's tiles again (64 x 64 won with exact GELU; its dY rows and W2 columns come from
+    # L2 at 16 bytes an output element in 64 x 64 tiles, 12 in 128 x 64 or 64 x 128, 8 in 128 x 128).
     # Its GPU parity: PARITY_K=mlp_parity_variants gpu_session.sh parity.
     mlp_weight_grad) step mlp_weight_grad 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu tanh \
         --profile --out "$OUT/mlp_sublayer_weight_grad_$GPU" \
         --variant triton_gelu_weight_grad triton '{"bwd": {"gelu_weight_grad": true}}' \
         --variant triton_gelu_weight_grad_n64 triton '{"bwd": {"gelu_weight_grad": true, "weight_grad_block_n": 64}}' \
         --variant triton_gelu_weight_grad_n64_w4 triton \
-          '{"bwd": {"gelu_weight_grad": true, "weight_grad_block_n": 64, "weight_grad_warps": 4}}' ;;
+          '{"bwd": {"gelu_weight_grad": true, "weight_grad_block_n": 64, "weight_grad_warps": 4}}' \
+        --variant triton_gelu_weight_grad_128x128 triton \
+          '{"bwd": {"gelu_weight_grad": true, "block_m": 128, "block_n": 128, "num_warps": 8}}' \
+        --variant triton_bwd_128x64 triton '{"bwd": {"block_m": 128, "block_n": 64}}' \
+        --variant triton_bwd_64x128 triton '{"bwd": {"block_n": 128}}' ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.
