@@ -326,8 +326,9 @@ def _hidden_grad(grad_out, w2, hidden, config, approximate):
     return grad_hidden, activation, db1_parts
 
 
-# Tokens a split of _gelu_weight_grad_gemm sums over: 19 splits x 16 tiles = 304 programs at configs/gpu.yaml's
-# 155,648 tokens and d_model 256 (two or more an SM), and 19 fp32 parts of dW2 (19 MB) to add.
+# Tokens a split of _gelu_weight_grad_gemm sums over (a multiple of its 64-token K step): 19 splits x 16 tiles =
+# 304 programs at configs/gpu.yaml's 155,648 tokens and d_model 256 (two or more an SM), and 19 fp32 parts of dW2
+# (19 MB) to add.
 GELU_WEIGHT_GRAD_SPLIT_TOKENS = 8192
 
 
@@ -339,10 +340,12 @@ def gelu_weight_grad(grad_out: torch.Tensor, hidden: torch.Tensor, approximate: 
     hidden_width = hidden.shape[1]
     block_d = min(128, d_model)
     splits = max(1, triton.cdiv(tokens, GELU_WEIGHT_GRAD_SPLIT_TOKENS))
-    parts = torch.zeros((splits, d_model, hidden_width), dtype=torch.float32, device=grad_out.device)
+    # Every program writes its whole tile (no split is empty): zeros only for an empty batch.
+    parts = (torch.empty if tokens else torch.zeros)((splits, d_model, hidden_width), dtype=torch.float32,
+                                                     device=grad_out.device)
     if tokens:
         tiles = (d_model // block_d) * triton.cdiv(hidden_width, config.weight_grad_block_n)
-        constexprs = dict(D=d_model, BLOCK_D=block_d, BLOCK_N=config.weight_grad_block_n, BLOCK_K=min(64, d_model),
+        constexprs = dict(D=d_model, BLOCK_D=block_d, BLOCK_N=config.weight_grad_block_n, BLOCK_K=64,
                           DOT_PRECISION=dot_precision(hidden.dtype), TANH_GELU=tanh_gelu(approximate))
         launch(_gelu_weight_grad_gemm, splits * tiles, grad_out.device,
                (grad_out, hidden, parts, tokens, hidden_width, GELU_WEIGHT_GRAD_SPLIT_TOKENS), constexprs,

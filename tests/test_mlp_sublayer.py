@@ -282,11 +282,12 @@ def test_plans_agree(tokens):
 
 
 @pytest.mark.parametrize("approximate", ("none", "tanh"))
-@pytest.mark.parametrize("tokens", (1, 100, 300))
+@pytest.mark.parametrize("tokens", (0, 1, 100, 300))
 def test_gelu_weight_grad_matches_cublas_path(monkeypatch, tokens, approximate):
     """The backward's gelu_weight_grad setting (dW2 from the pre-activation, GELU applied as it loads) gives the
     default backward's gradients, in fp32 up to summation order, at the default tiles and at 16-wide ones; 64-token
-    splits make 1 to 5 parts to add, the last partial, and d_model 32 / hidden 48 leave masked tile edges."""
+    splits make 1 to 5 parts to add, the last partial (an empty batch: zero gradients), and d_model 32 / hidden 48
+    leave masked tile edges."""
     import kernels.mlp_sublayer_triton as triton_mlp
 
     monkeypatch.setattr(triton_mlp, "GELU_WEIGHT_GRAD_SPLIT_TOKENS", 64)
