@@ -232,6 +232,11 @@ kernels = [
      dict(D=256, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, TANH_GELU=tanh, STORE_ACTIVATION=True), 4)
     for tanh in (False, True)
 ] + [
+    # With the gelu_weight_grad setting: no GELU output, its pointer None (a constexpr at launch).
+    (_hidden_grad_gemm, dict(grad_out_ptr=bf16, w2_ptr=bf16, hidden_ptr=bf16, grad_hidden_ptr=bf16,
+                             db1_parts_ptr="*fp32", T="i32", H="i32"),
+     dict(activation_ptr=None, D=256, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, TANH_GELU=True, STORE_ACTIVATION=False), 4),
+] + [
     (_gelu_weight_grad_gemm, dict(grad_out_ptr=bf16, hidden_ptr=bf16, dw2_parts_ptr="*fp32", T="i32", H="i32",
                                   SPLIT_TOKENS="i32"),
      dict(D=256, BLOCK_D=128, BLOCK_N=128, BLOCK_K=64, TANH_GELU=tanh), 8)
@@ -250,8 +255,9 @@ for fn, signature, constexprs, warps in kernels:
 
 
 def test_gemms_compile_for_sm90():
-    """The "gemms" plan's four Triton GEMMs (the three with GELU in both forms) compile for an H100/H200 (sm_90,
-    wgmma) at configs/gpu.yaml's width, as a GPU run would (a process without the interpreter)."""
+    """The "gemms" plan's four Triton GEMMs (the three with GELU in both forms; the hidden-gradient one also without
+    its GELU output) compile for an H100/H200 (sm_90, wgmma) at configs/gpu.yaml's width, as a GPU run would (a
+    process without the interpreter)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -260,7 +266,7 @@ def test_gemms_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _SM90_GEMMS_SCRIPT], cwd=Path(__file__).parents[1], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count(" ok") == 7, proc.stdout
+    assert proc.stdout.count(" ok") == 8, proc.stdout
 
 
 @pytest.mark.parametrize("tokens", (1, 100, 300))
