@@ -4,7 +4,8 @@
 
 It runs as torch.autocast runs the unfused path: LayerNorm in fp32, the two linears (weights and
 biases cast) in `compute_dtype`, GELU (F.gelu's `approximate`: "none", the exact erf form, or "tanh") on
-the first linear's rounded output, and the residual added in x's dtype. With compute_dtype = float64 and fp64 inputs it is the fp64 truth.
+the first linear's rounded output, and the residual added in x's dtype. With compute_dtype = float64 and
+fp64 inputs it is the fp64 truth.
 """
 
 import torch

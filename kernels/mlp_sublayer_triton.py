@@ -358,7 +358,10 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
     grad_out = grad_y.to(w1.dtype).contiguous()
     grad_hidden, activation, db1_parts = _hidden_grad(grad_out, w2, hidden, config, approximate)
-    dw2 = gelu_weight_grad(grad_out, hidden, approximate, config) if activation is None else grad_out.t() @ activation
+    if config.gelu_weight_grad:
+        dw2 = gelu_weight_grad(grad_out, hidden, approximate, config)
+    else:
+        dw2 = grad_out.t() @ activation
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -334,7 +334,9 @@ def residual_gemm(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x: 
     tokens, k = a.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if tokens:
+        gelu = gelu_prologue is not None
         launch(_residual_gemm, triton.cdiv(tokens, block_m), x.device, (a, weight, bias, x, y, tokens, k, x.stride(0)),
-               dict(D=x.shape[1], BLOCK_M=block_m, BLOCK_K=k_chunk(k), GELU_PROLOGUE=gelu_prologue is not None,
-                    TANH_GELU=gelu_prologue is not None and tanh_gelu(gelu_prologue), DOT_PRECISION=dot_precision(weight.dtype)), num_warps, num_stages)
+               dict(D=x.shape[1], BLOCK_M=block_m, BLOCK_K=k_chunk(k), GELU_PROLOGUE=gelu,
+                    TANH_GELU=gelu and tanh_gelu(gelu_prologue), DOT_PRECISION=dot_precision(weight.dtype)),
+               num_warps, num_stages)
     return y
