@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (ours, inductor's fused kernels), ATen and fbgemm on H100/H200.
 KERNEL_FAMILIES = (
     # First: a fused sublayer kernel is LayerNorm, GEMMs and their epilogues at once, no one family below.
-    ("fused sublayers", r"_sublayer_|_hidden_grad_gemm|_gelu_weight_grad_gemm|_bias_gemm|_residual_gemm"
+    ("fused sublayers", r"_sublayer_|_hidden_grad_gemm|_bias_gemm|_residual_gemm"
                         r"|_layer_norm_(fwd_rows|bwd_tiles)"),
     ("attention", r"block_attn|block_attention|flash|fmha|_attention_"),
     ("block table", r"fill_block_table"),

@@ -135,11 +135,10 @@ def _hidden_grad_gemm(
     grad_out_ptr, w2_ptr, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
     T, H,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TANH_GELU: tl.constexpr, STORE_ACTIVATION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TANH_GELU: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of dH = (dY · W2) * GELU'(pre-activation), with dH's column sums
-    (b1's gradient) and, with STORE_ACTIVATION, GELU's output (dW2's operand for cuBLAS) from the same
-    epilogue: the [T, H] product of the first GEMM never reaches HBM, and the saved pre-activation is
+    (b1's gradient) and GELU's output (dW2's operand for cuBLAS) from the same epilogue: the [T, H] product of the first GEMM never reaches HBM, and the saved pre-activation is
     read once here."""
     dtype = w2_ptr.dtype.element_ty
     acc, tile_m, rows64, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M, BLOCK_N,
@@ -149,48 +148,10 @@ def _hidden_grad_gemm(
     ok = row_ok[:, None] & hcol_ok[None, :]
     hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     activation, gelu_grad = _gelu_and_grad(hidden, TANH_GELU)
-    if STORE_ACTIVATION:
-        tl.store(activation_ptr + offs, activation.to(dtype), mask=ok)
+    tl.store(activation_ptr + offs, activation.to(dtype), mask=ok)
     grad_hidden = (acc * gelu_grad).to(dtype)
     tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
     tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
-
-
-@triton.jit
-def _gelu_weight_grad_gemm(
-    grad_out_ptr, hidden_ptr, dw2_parts_ptr,
-    T, H, SPLIT_TOKENS,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TANH_GELU: tl.constexpr,
-):
-    """One split's [BLOCK_D, BLOCK_N] fp32 part of dW2 = dYᵀ · GELU(pre-activation) over its SPLIT_TOKENS
-    tokens: GELU runs on the saved pre-activation as it loads (rounded to the compute dtype, as the
-    activation the forward multiplied), so GELU's output never goes through HBM. The splits' parts are
-    added in a fixed order afterwards (no atomics)."""
-    dtype = hidden_ptr.dtype.element_ty
-    d_tiles: tl.constexpr = D // BLOCK_D
-    n_tiles = tl.cdiv(H, BLOCK_N)
-    pid = tl.program_id(0)
-    split = pid // (d_tiles * n_tiles)
-    tile_d = (pid // n_tiles) % d_tiles
-    tile_n = pid % n_tiles
-    dcols = tile_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    ncols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ncol_ok = ncols < H
-    acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    first = split * SPLIT_TOKENS
-    for k0 in range(first, tl.minimum(first + SPLIT_TOKENS, T), BLOCK_K):
-        tokens = k0 + tl.arange(0, BLOCK_K)
-        token_ok = tokens < T
-        tokens64 = tokens.to(tl.int64)
-        grad_out_t = tl.load(grad_out_ptr + tokens64[None, :] * D + dcols[:, None], mask=token_ok[None, :], other=0.0)
-        # Rows past T load as zeros, and GELU(0) = 0: they add nothing.
-        hidden = tl.load(hidden_ptr + tokens64[:, None] * H + ncols[None, :],
-                         mask=token_ok[:, None] & ncol_ok[None, :], other=0.0)
-        activation = _gelu(hidden.to(tl.float32), TANH_GELU).to(dtype)
-        acc = tl.dot(grad_out_t, activation, acc, input_precision=DOT_PRECISION)
-    tl.store(dw2_parts_ptr + (split * D + dcols[:, None]) * H + ncols[None, :], acc, mask=ncol_ok[None, :])
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,21 +170,16 @@ class LaunchConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    # Backward "gemms" only: dW2 from _gelu_weight_grad_gemm, GELU applied as it loads the pre-activation,
-    # instead of cuBLAS over GELU's output that the hidden-gradient GEMM writes (one [T, H] write less); its
-    # [128, weight_grad_block_n] tiles of dW2 over weight_grad_warps warps.
-    gelu_weight_grad: bool = False
-    weight_grad_block_n: int = 128
-    weight_grad_warps: int = 8
 
 
 PLANS = ("tiles", "gemms")
 # Forward "gemms": LayerNorm rows, then LN(x)·W1ᵀ + b1 (the saved pre-activation), then a GEMM that
 # applies GELU to its A operand as it loads and adds b2 and the residual in its epilogue.
 # Backward "gemms": dH = (dY·W2) * GELU' from one GEMM whose epilogue also writes GELU's output (dW2's
-# operand) and b1's partial sums, LN's output gradient dH·W1 from cuBLAS, then LayerNorm's backward. With
-# gelu_weight_grad, GELU's output is not written: dW2 comes from a split-K GEMM over the pre-activation (not yet
-# timed on a GPU: scripts/gpu_session.sh mlp_weight_grad).
+# operand) and b1's partial sums, LN's output gradient dH·W1 from cuBLAS, then LayerNorm's backward. dW2 from
+# a split-K Triton GEMM applying GELU to the pre-activation as it loads (no GELU output written) ran slower on
+# an H100: 0.32-0.36 ms against cuBLAS's 0.137, to save the hidden-gradient GEMM 0.076 ms
+# (benchmarks/results/mlp_sublayer_weight_grad_h100.md); it was removed.
 # Backward "tiles" keeps LN's [block_m, D] fp32 output gradient on chip across the hidden chunks; at
 # d_model 256 that accumulator limits an SM to two tiles, each streaming all of W1 and W2 from L2:
 # it ran 2.4x slower than the compiled unfused backward (benchmarks/results/mlp_sublayer_h200.md).
@@ -232,7 +188,7 @@ DEFAULT_PLAN = {"fwd": "gemms", "bwd": "gemms"}
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfig:
+def launch_config(direction: str, d_model: int, launch: str = "", approximate: str = "none") -> LaunchConfig:
     overrides = launch_overrides(launch, direction)
     allowed = [f.name for f in fields(LaunchConfig)]
     unknown = set(overrides) - set(allowed)
@@ -242,17 +198,17 @@ def launch_config(direction: str, d_model: int, launch: str = "") -> LaunchConfi
     plan = overrides.get("plan", DEFAULT_PLAN[direction])
     if plan not in PLANS:
         raise ValueError(f"unknown Triton mlp_sublayer {direction} plan {plan!r}; choose one of {PLANS}")
-    weight_grad_settings = sorted(set(overrides) & {"gelu_weight_grad", "weight_grad_block_n", "weight_grad_warps"})
-    if weight_grad_settings and (direction, plan) != ("bwd", "gemms"):
-        raise ValueError(f"{', '.join(weight_grad_settings)}: settings of the Triton mlp_sublayer backward's "
-                         f"\"gemms\" plan, not of the {direction} {plan!r} plan")
     if plan == "gemms":
         # A GEMM's tiles, a 3-deep pipeline of its K steps. The forward's: 128 x 128 over 8 warps.
-        # The backward's: 64 x 64 over 4: with K = d_model its epilogue (GELU and its derivative)
-        # outweighs its matmul, and small programs overlap more of them (faster than 128 x 128 on the
-        # H200: benchmarks/results/mlp_sublayer_h200.md's rounds).
+        # The backward's: 64 rows over 4 warps: with K = d_model its epilogue (GELU and its derivative)
+        # outweighs its matmul, and small programs overlap more of them (64-row tiles beat 128-row ones on
+        # the H200, benchmarks/results/mlp_sublayer_h200.md's rounds). 128 columns in GELU's tanh form: on an
+        # H100 its hidden-gradient GEMM took 0.493 ms against 0.576 at 64 (mlp_sublayer_weight_grad_h100.md),
+        # though ptxas spills 208 bytes there; exact GELU's longer epilogue spills 940 at 128 columns and
+        # was not timed so, so it keeps 64.
         wide = direction == "fwd"
-        default = LaunchConfig(plan=plan, block_m=128 if wide else 64, block_n=128 if wide else 64,
+        default = LaunchConfig(plan=plan, block_m=128 if wide else 64,
+                               block_n=128 if wide or tanh_gelu(approximate) else 64,
                                num_warps=8 if wide else 4, num_stages=3)
     else:
         # A [64, 256] fp32 accumulator is 128 registers a thread over 4 warps: give it 8. At d_model
@@ -279,8 +235,8 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, approximate, launch
     hidden_width = w1.shape[0]
     x = rows_contiguous(x)
     w1, b1, w2, b2, norm_weight, norm_bias = (t.contiguous() for t in (w1, b1, w2, b2, norm_weight, norm_bias))
-    config = launch_config("fwd", d_model, launch)
-    launch_config("bwd", d_model, launch)  # a bad backward setting fails here, not in the backward pass
+    config = launch_config("fwd", d_model, launch, approximate)
+    launch_config("bwd", d_model, launch, approximate)  # a bad backward setting fails here, not in the backward pass
     if config.plan == "gemms":
         normed, mean, rstd = layer_norm_forward(x, norm_weight, norm_bias, eps, w1.dtype)
         hidden = bias_gemm(normed, w1, b1, config.block_m, config.block_n, config.num_warps, config.num_stages)
@@ -301,56 +257,26 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, approximate, launch
 def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, approximate, launch):
     x, grad_y = rows_contiguous(x), rows_contiguous(grad_y)
     w1, w2, norm_weight, norm_bias = (t.contiguous() for t in (w1, w2, norm_weight, norm_bias))
-    config = launch_config("bwd", x.shape[1], launch)
+    config = launch_config("bwd", x.shape[1], launch, approximate)
     plan = _backward_gemms if config.plan == "gemms" else _backward_tiles
     return plan(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config, approximate)
 
 
 def _hidden_grad(grad_out, w2, hidden, config, approximate):
-    """dH = (dY · W2) * GELU'(pre-activation) and dH's per-tile column sums, by _hidden_grad_gemm; GELU's
-    output too, unless the config computes dW2 from the pre-activation (then None)."""
+    """dH = (dY · W2) * GELU'(pre-activation), GELU's output and dH's per-tile column sums, by _hidden_grad_gemm."""
     tokens, d_model = grad_out.shape
     hidden_width = w2.shape[1]
     grad_hidden = torch.empty((tokens, hidden_width), dtype=w2.dtype, device=grad_out.device)
-    store_activation = not config.gelu_weight_grad
-    activation = torch.empty_like(grad_hidden) if store_activation else None
+    activation = torch.empty_like(grad_hidden)
     row_tiles = triton.cdiv(tokens, config.block_m)
     db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=grad_out.device)
     if tokens:
         args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
         constexprs = dict(D=d_model, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=min(64, d_model),
-                          DOT_PRECISION=dot_precision(w2.dtype), TANH_GELU=tanh_gelu(approximate),
-                          STORE_ACTIVATION=store_activation)
+                          DOT_PRECISION=dot_precision(w2.dtype), TANH_GELU=tanh_gelu(approximate))
         _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), grad_out.device, config,
                 args, constexprs)
     return grad_hidden, activation, db1_parts
-
-
-# Tokens a split of _gelu_weight_grad_gemm sums over (a multiple of its 64-token K step): 19 splits x 16 tiles =
-# 304 programs at configs/gpu.yaml's 155,648 tokens and d_model 256 (two or more an SM), and 19 fp32 parts of dW2
-# (19 MB) to add.
-GELU_WEIGHT_GRAD_SPLIT_TOKENS = 8192
-
-
-def gelu_weight_grad(grad_out: torch.Tensor, hidden: torch.Tensor, approximate: str,
-                     config: LaunchConfig) -> torch.Tensor:
-    """dW2 = grad_outᵀ · GELU(hidden) [D, H] in hidden's dtype, by _gelu_weight_grad_gemm's split parts
-    (64 tokens a K step, 3 deep), added in split order."""
-    tokens, d_model = grad_out.shape
-    hidden_width = hidden.shape[1]
-    block_d = min(128, d_model)
-    splits = max(1, triton.cdiv(tokens, GELU_WEIGHT_GRAD_SPLIT_TOKENS))
-    # Every program writes its whole tile (no split is empty): zeros only for an empty batch.
-    parts = (torch.empty if tokens else torch.zeros)((splits, d_model, hidden_width), dtype=torch.float32,
-                                                     device=grad_out.device)
-    if tokens:
-        tiles = (d_model // block_d) * triton.cdiv(hidden_width, config.weight_grad_block_n)
-        constexprs = dict(D=d_model, BLOCK_D=block_d, BLOCK_N=config.weight_grad_block_n, BLOCK_K=64,
-                          DOT_PRECISION=dot_precision(hidden.dtype), TANH_GELU=tanh_gelu(approximate))
-        launch(_gelu_weight_grad_gemm, splits * tiles, grad_out.device,
-               (grad_out, hidden, parts, tokens, hidden_width, GELU_WEIGHT_GRAD_SPLIT_TOKENS), constexprs,
-               config.weight_grad_warps, 3)
-    return parts.sum(0).to(hidden.dtype)
 
 
 def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config, approximate):
@@ -358,10 +284,7 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
     grad_out = grad_y.to(w1.dtype).contiguous()
     grad_hidden, activation, db1_parts = _hidden_grad(grad_out, w2, hidden, config, approximate)
-    if config.gelu_weight_grad:
-        dw2 = gelu_weight_grad(grad_out, hidden, approximate, config)
-    else:
-        dw2 = grad_out.t() @ activation
+    dw2 = grad_out.t() @ activation
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)

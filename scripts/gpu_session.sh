@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, mlp_weight_grad, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, mlp_backward_tiles, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache, profile_c_path,
 # profile_eager_c_path, profile_vs_base.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
@@ -68,21 +68,16 @@ for s in "$@"; do
       done ;;
     mlp_gelu_parity) step mlp_gelu_parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py \
         -k "(test_mlp_parity and tanh) or mlp_custom_ops or mlp_parity_variants" ;;
-    # The backward's dW2 from the saved pre-activation, GELU applied as the GEMM loads it (no [T, H] GELU output
-    # through HBM), against cuBLAS over GELU's output, in the tanh form: the triton row's backward is the tlx row's.
-    # Then the hidden-gradient GEMM's tiles again (64 x 64 won with exact GELU; its dY rows and W2 columns come from
-    # L2 at 16 bytes an output element in 64 x 64 tiles, 12 in 128 x 64 or 64 x 128, 8 in 128 x 128).
-    # Its GPU parity: PARITY_K=mlp_parity_variants gpu_session.sh parity.
-    mlp_weight_grad) step mlp_weight_grad 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu tanh \
-        --profile --out "$OUT/mlp_sublayer_weight_grad_$GPU" \
-        --variant triton_gelu_weight_grad triton '{"bwd": {"gelu_weight_grad": true}}' \
-        --variant triton_gelu_weight_grad_n64 triton '{"bwd": {"gelu_weight_grad": true, "weight_grad_block_n": 64}}' \
-        --variant triton_gelu_weight_grad_n64_w4 triton \
-          '{"bwd": {"gelu_weight_grad": true, "weight_grad_block_n": 64, "weight_grad_warps": 4}}' \
-        --variant triton_gelu_weight_grad_128x128 triton \
-          '{"bwd": {"gelu_weight_grad": true, "block_m": 128, "block_n": 128, "num_warps": 8}}' \
-        --variant triton_bwd_128x64 triton '{"bwd": {"block_m": 128, "block_n": 64}}' \
-        --variant triton_bwd_64x128 triton '{"bwd": {"block_n": 128}}' ;;
+    # The backward's hidden-gradient GEMM tiles in both GELU forms, back to back: the default 64 x 128 (which beat
+    # 64 x 64 with the tanh form on an H100, mlp_sublayer_weight_grad_h100.md; exact GELU not timed there) against
+    # 64 x 64, 128 x 128 and 64 x 256 (8 warps each for the larger). Their GPU parity: PARITY_K=mlp_parity_variants parity.
+    mlp_backward_tiles) for gelu in none tanh; do
+        step mlp_backward_tiles_$gelu 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu $gelu \
+          --impls unfused_compiled triton tlx --profile --out "$OUT/mlp_backward_tiles_${gelu}_$GPU" \
+          --variant triton_bwd_64x64 triton '{"bwd": {"block_n": 64}}' \
+          --variant triton_bwd_128x128 triton '{"bwd": {"block_m": 128, "num_warps": 8}}' \
+          --variant triton_bwd_64x256 triton '{"bwd": {"block_n": 256, "num_warps": 8}}'
+      done ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.

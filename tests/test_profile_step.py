@@ -28,7 +28,6 @@ class _Event:
     # Names as an H100 profile of the fused MLP step listed them (profile_step_mlp_gelu_tanh_fused_mlp_true_h100.md).
     ("_tlx_mlp_sublayer_fwd", "fused sublayers"),
     ("_hidden_grad_gemm", "fused sublayers"),
-    ("_gelu_weight_grad_gemm", "fused sublayers"),
     ("_layer_norm_bwd_tiles", "fused sublayers"),
     ("_tlx_attention_sublayer_bwd", "fused sublayers"),
     ("_attention_sublayer_fwd_blocks", "fused sublayers"),
