@@ -138,19 +138,22 @@ def _hidden_grad_gemm(
     DOT_PRECISION: tl.constexpr, TANH_GELU: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of dH = (dY · W2) * GELU'(pre-activation), with dH's column sums
-    (b1's gradient) and GELU's output (dW2's operand for cuBLAS) from the same epilogue: the [T, H] product of the first GEMM never reaches HBM, and the saved pre-activation is
-    read once here."""
+    (b1's gradient) and GELU's output (dW2's operand for cuBLAS) from the same epilogue: the [T, H] product
+    of the first GEMM never reaches HBM, and the saved pre-activation is read once here."""
     dtype = w2_ptr.dtype.element_ty
-    acc, tile_m, rows64, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M, BLOCK_N,
-                                                             BLOCK_K, DOT_PRECISION)
+    acc, tile_m, _, row_ok, hcols, hcol_ok = _gemm_tile(grad_out_ptr, w2_ptr, T, H, D, False, BLOCK_M, BLOCK_N,
+                                                        BLOCK_K, DOT_PRECISION)
     # Loaded after the matmul, not before: held across it, it cost registers and ran slower on the H200.
-    offs = rows64[:, None] * H + hcols[None, :]
+    # A 64-bit tile start and 32-bit offsets in it: 64-bit offsets per element took two registers each and
+    # made the 64 x 128 tile spill (tests/test_mlp_sublayer.py::test_gemms_compile_for_sm90).
+    tile_start = tile_m.to(tl.int64) * BLOCK_M * H
+    offs = tl.arange(0, BLOCK_M)[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
-    hidden = tl.load(hidden_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    hidden = tl.load(hidden_ptr + tile_start + offs, mask=ok, other=0.0).to(tl.float32)
     activation, gelu_grad = _gelu_and_grad(hidden, TANH_GELU)
-    tl.store(activation_ptr + offs, activation.to(dtype), mask=ok)
+    tl.store(activation_ptr + tile_start + offs, activation.to(dtype), mask=ok)
     grad_hidden = (acc * gelu_grad).to(dtype)
-    tl.store(grad_hidden_ptr + offs, grad_hidden, mask=ok)
+    tl.store(grad_hidden_ptr + tile_start + offs, grad_hidden, mask=ok)
     tl.store(db1_parts_ptr + tile_m * H + hcols, tl.sum(grad_hidden.to(tl.float32), 0), mask=hcol_ok)
 
 
@@ -204,8 +207,8 @@ def launch_config(direction: str, d_model: int, launch: str = "", approximate: s
         # outweighs its matmul, and small programs overlap more of them (64-row tiles beat 128-row ones on
         # the H200, benchmarks/results/mlp_sublayer_h200.md's rounds). 128 columns in GELU's tanh form: on an
         # H100 its hidden-gradient GEMM took 0.493 ms against 0.576 at 64 (mlp_sublayer_weight_grad_h100.md),
-        # though ptxas spills 208 bytes there; exact GELU's longer epilogue spills 940 at 128 columns and
-        # was not timed so, so it keeps 64.
+        # spilling 312 bytes then (none since); exact GELU's longer epilogue still spills ~300 at 128 columns
+        # and was not timed so, so it keeps 64.
         wide = direction == "fwd"
         default = LaunchConfig(plan=plan, block_m=128 if wide else 64,
                                block_n=128 if wide or tanh_gelu(approximate) else 64,

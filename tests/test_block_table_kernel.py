@@ -11,7 +11,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from aot_pythons import AOT_PYTHONS  # noqa: E402
 from kernels.blocks import (  # noqa: E402
     ROWS_PER_PROGRAM, block_table, block_table_torch, block_table_triton, max_num_blocks, offsets_from_lengths,
 )
@@ -159,9 +159,6 @@ _AOT_SCRIPT = textwrap.dedent(
 )
 
 
-# The dev venv's triton, and the TLX distributions the TLX backend runs under on the GPU (where this
-# kernel is compiled by their triton); scripts/test.sh sets the TLX variables.
-AOT_PYTHONS = {"dev": sys.executable, "tlx": os.environ.get("TLX_PYTHON"), "utlx": os.environ.get("UTLX_PYTHON")}
 
 
 @pytest.mark.parametrize("python", AOT_PYTHONS)
