@@ -68,14 +68,16 @@ for s in "$@"; do
       done ;;
     mlp_gelu_parity) step mlp_gelu_parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py \
         -k "(test_mlp_parity and tanh) or mlp_custom_ops or mlp_parity_variants" ;;
-    # The backward's hidden-gradient GEMM tiles in both GELU forms, back to back: the default 64 x 128 (which beat
-    # 64 x 64 with the tanh form on an H100, mlp_sublayer_weight_grad_h100.md; exact GELU not timed there) against
-    # 64 x 64, 128 x 128 and 64 x 256 (8 warps each for the larger). Their GPU parity: PARITY_K=mlp_parity_variants parity.
+    # The backward's hidden-gradient GEMM tiles in both GELU forms, back to back (the defaults: 64 x 128 in the tanh
+    # form, which beat 64 x 64 on an H100 in mlp_sublayer_weight_grad_h100.md, and 64 x 64 for exact GELU, whose
+    # epilogue spills at 128 columns) against 64 x 64, 64 x 128, 128 x 128 and 64 x 256 (8 warps for the last two).
+    # Their GPU parity: PARITY_K=mlp_parity_variants gpu_session.sh parity.
     mlp_backward_tiles) for gelu in none tanh; do
         step mlp_backward_tiles_$gelu 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu $gelu \
           --impls unfused_compiled triton tlx --profile --out "$OUT/mlp_backward_tiles_${gelu}_$GPU" \
           --variant triton_bwd_64x64 triton '{"bwd": {"block_n": 64}}' \
-          --variant triton_bwd_128x128 triton '{"bwd": {"block_m": 128, "num_warps": 8}}' \
+          --variant triton_bwd_64x128 triton '{"bwd": {"block_n": 128}}' \
+          --variant triton_bwd_128x128 triton '{"bwd": {"block_m": 128, "block_n": 128, "num_warps": 8}}' \
           --variant triton_bwd_64x256 triton '{"bwd": {"block_n": 256, "num_warps": 8}}'
       done ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.

@@ -171,7 +171,8 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
 MLP_VARIANTS = {"tlx_one_consumer": ("tlx", {"fwd": {"NUM_CONSUMERS": 1}}),
                 "tlx_tiles_backward": ("tlx", {"bwd": {"TRITON_BACKWARD": False}}),
                 "triton_bwd_64x64": ("triton", {"bwd": {"block_n": 64}}),
-                "triton_bwd_128x128": ("triton", {"bwd": {"block_m": 128, "num_warps": 8}}),
+                "triton_bwd_64x128": ("triton", {"bwd": {"block_n": 128}}),
+                "triton_bwd_128x128": ("triton", {"bwd": {"block_m": 128, "block_n": 128, "num_warps": 8}}),
                 "triton_bwd_64x256": ("triton", {"bwd": {"block_n": 256, "num_warps": 8}})}
 
 
