@@ -58,9 +58,7 @@ SUPPORTED_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
-# PINGPONG (off by default, not yet timed on a GPU): the forward's two consumers take turns at the tensor cores,
-# and each issues chunk c's first product with chunk c - 1's second, so that GELU runs while wgmmas do (below).
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "PINGPONG")
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # TRITON_BACKWARD: the backward is the Triton backend's, with its default plan (kernels/mlp_sublayer_triton.py).
 BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
@@ -103,11 +101,6 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
         # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
         # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
         cfg["TRITON_BACKWARD"] = bool(knobs.get("TRITON_BACKWARD", True))
-    else:
-        cfg["PINGPONG"] = bool(knobs.get("PINGPONG", False))
-        if cfg["PINGPONG"] and cfg["NUM_CONSUMERS"] != 2:
-            raise ValueError(f"TLX mlp_sublayer fwd knob PINGPONG takes turns between two consumers; at d_model "
-                             f"{d_model} with {cfg} there is {cfg['NUM_CONSUMERS']}")
     return cfg
 
 
@@ -144,120 +137,20 @@ if HAS_TLX:
         return tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[k % NUM_STAGES]))
 
     @triton.jit
-    def _bias_and_gelu(hidden, b1_ptr, c, dtype: tl.constexpr, CHUNK: tl.constexpr, TANH_GELU: tl.constexpr):
-        """Chunk c's pre-activation (the first product's fp32 result plus b1, rounded to the compute dtype)
-        and GELU of it, in the compute dtype."""
+    def _activation_and_second_product(hidden, acc, b1_ptr, w2_buf, hidden_buf, desc_hidden, row0, c,
+                                       dtype: tl.constexpr, CHUNK: tl.constexpr, TANH_GELU: tl.constexpr):
+        """Chunk c's bias and GELU on the first product's fp32 result, then (issued, not waited) the
+        second product into acc; the rounded pre-activation leaves by TMA while that runs."""
         b1 = tl.load(b1_ptr + c * CHUNK + tl.arange(0, CHUNK)).to(tl.float32)
         hidden = (hidden + b1[None, :]).to(dtype)
-        return hidden, _gelu(hidden.to(tl.float32), TANH_GELU).to(dtype)
-
-    @triton.jit
-    def _store_hidden_chunk(hidden, hidden_buf, desc_hidden, row0, c, CHUNK: tl.constexpr):
-        """The rounded pre-activation of chunk c (saved for the backward) out by TMA through hidden_buf."""
+        activation = _gelu(hidden.to(tl.float32), TANH_GELU).to(dtype)
+        acc = tlx.async_dot(activation, tlx.local_trans(w2_buf), acc)
         # TMA writes no row past T; the previous chunk's store has had a chunk's time to read the tile.
         tlx.async_descriptor_store_wait(0)
         tlx.local_store(hidden_buf, hidden)
         tlx.fence_async_shared()
         tlx.async_descriptor_store(desc_hidden, hidden_buf, [row0, c * CHUNK])
-
-    @triton.jit
-    def _activation_and_second_product(hidden, acc, b1_ptr, w2_buf, hidden_buf, desc_hidden, row0, c,
-                                       dtype: tl.constexpr, CHUNK: tl.constexpr, TANH_GELU: tl.constexpr):
-        """Chunk c's bias and GELU on the first product's fp32 result, then (issued, not waited) the
-        second product into acc; the rounded pre-activation leaves by TMA while that runs."""
-        hidden, activation = _bias_and_gelu(hidden, b1_ptr, c, dtype, CHUNK, TANH_GELU)
-        acc = tlx.async_dot(activation, tlx.local_trans(w2_buf), acc)
-        _store_hidden_chunk(hidden, hidden_buf, desc_hidden, row0, c, CHUNK)
         return acc
-
-    # PINGPONG. The named barriers the two consumers pass their turn at the tensor cores by (Triton's own
-    # partition barriers take the low ids); each turn issues one consumer's wgmmas, then the other's.
-    _TURN_OF_CONSUMER_0 = tl.constexpr(9)
-    _TURN_OF_CONSUMER_1 = tl.constexpr(10)
-
-    @triton.jit
-    def _wait_for_turn(cid: tl.constexpr):
-        # 256 threads: one consumer warpgroup waits while the other arrives.
-        if cid == 0:
-            tlx.named_barrier_wait(_TURN_OF_CONSUMER_0, 256)
-        else:
-            tlx.named_barrier_wait(_TURN_OF_CONSUMER_1, 256)
-
-    @triton.jit
-    def _pass_turn(cid: tl.constexpr):
-        if cid == 0:
-            tlx.named_barrier_arrive(_TURN_OF_CONSUMER_1, 256)
-        else:
-            tlx.named_barrier_arrive(_TURN_OF_CONSUMER_0, 256)
-
-    @triton.jit
-    def _ring_wait(fulls, k, NUM_STAGES: tl.constexpr):
-        tlx.barrier_wait(fulls[k % NUM_STAGES], (k // NUM_STAGES) & 1)
-
-    @triton.jit
-    def _pingpong_chunks(normed_buf, w1_bufs, w2_bufs, w1_fulls, w1_empties, w2_fulls, w2_empties, b1_ptr,
-                         hidden_buf, desc_hidden, row0, k0, num_chunks, cid: tl.constexpr, dtype: tl.constexpr,
-                         BLOCK: tl.constexpr, D: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNK: tl.constexpr,
-                         TANH_GELU: tl.constexpr):
-        """One consumer's tile through every hidden chunk, returning the [BLOCK, D] fp32 output accumulator.
-        A turn issues chunk c's first product and chunk c - 1's second back to back; the consumer then waits
-        for the first only (wgmmas complete in order) and computes chunk c's GELU while the second runs and
-        the other consumer's turn follows on the tensor cores. W1 and W2 boxes have rings of their own, so a
-        W1 box is released as soon as its product is done, a W2 box a chunk later."""
-        _ring_wait(w1_fulls, k0, NUM_STAGES)
-        _wait_for_turn(cid)
-        hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[k0 % NUM_STAGES]))
-        _pass_turn(cid)
-        hidden = tlx.async_dot_wait(0, hidden)
-        tlx.barrier_arrive(w1_empties[k0 % NUM_STAGES], 1)
-        hidden, activation = _bias_and_gelu(hidden, b1_ptr, 0, dtype, CHUNK, TANH_GELU)
-        _store_hidden_chunk(hidden, hidden_buf, desc_hidden, row0, 0, CHUNK)
-        acc = tl.zeros((BLOCK, D), dtype=tl.float32)
-        for c in range(1, num_chunks):
-            k = k0 + c
-            _ring_wait(w1_fulls, k, NUM_STAGES)
-            _ring_wait(w2_fulls, k - 1, NUM_STAGES)
-            _wait_for_turn(cid)
-            hidden = tlx.async_dot(normed_buf, tlx.local_trans(w1_bufs[k % NUM_STAGES]))
-            acc = tlx.async_dot(activation, tlx.local_trans(w2_bufs[(k - 1) % NUM_STAGES]), acc)
-            _pass_turn(cid)
-            hidden = tlx.async_dot_wait(1, hidden)
-            tlx.barrier_arrive(w1_empties[k % NUM_STAGES], 1)
-            hidden, next_activation = _bias_and_gelu(hidden, b1_ptr, c, dtype, CHUNK, TANH_GELU)
-            _store_hidden_chunk(hidden, hidden_buf, desc_hidden, row0, c, CHUNK)
-            acc = tlx.async_dot_wait(0, acc)
-            tlx.barrier_arrive(w2_empties[(k - 1) % NUM_STAGES], 1)
-            activation = next_activation
-        k = k0 + num_chunks - 1
-        _ring_wait(w2_fulls, k, NUM_STAGES)
-        _wait_for_turn(cid)
-        acc = tlx.async_dot(activation, tlx.local_trans(w2_bufs[k % NUM_STAGES]), acc)
-        _pass_turn(cid)
-        acc = tlx.async_dot_wait(0, acc)
-        tlx.barrier_arrive(w2_empties[k % NUM_STAGES], 1)
-        return acc
-
-    @triton.jit
-    def _split_ring_producer(desc_w1, desc_w2, w1_bufs, w2_bufs, w1_fulls, w1_empties, w2_fulls, w2_empties, T, H,
-                             BOX_BYTES: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr,
-                             CHUNK: tl.constexpr):
-        """PINGPONG's producer: W1 box k, then W2 box k - 1, as the consumers take them (chunk c's first product
-        with chunk c - 1's second), each into the next slot of its own ring."""
-        pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
-        num_chunks = H // CHUNK
-        steps = n_rounds * num_chunks
-        for k in range(0, steps + 1):
-            if k < steps:
-                slot = k % NUM_STAGES
-                tlx.barrier_wait(w1_empties[slot], ((k // NUM_STAGES) & 1) ^ 1)
-                tlx.barrier_expect_bytes(w1_fulls[slot], BOX_BYTES)
-                tlx.async_descriptor_load(desc_w1, w1_bufs[slot], [(k % num_chunks) * CHUNK, 0], w1_fulls[slot])
-            if k > 0:
-                j = k - 1
-                slot = j % NUM_STAGES
-                tlx.barrier_wait(w2_empties[slot], ((j // NUM_STAGES) & 1) ^ 1)
-                tlx.barrier_expect_bytes(w2_fulls[slot], BOX_BYTES)
-                tlx.async_descriptor_load(desc_w2, w2_bufs[slot], [0, (j % num_chunks) * CHUNK], w2_fulls[slot])
 
     @triton.jit
     def _load_hidden_chunks(desc_hidden, hidden_bufs, fulls, slot, first_tile, h0,
@@ -315,7 +208,7 @@ if HAS_TLX:
         y_ptr, mean_ptr, rstd_ptr,
         T, H, eps,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        TANH_GELU: tl.constexpr, PINGPONG: tl.constexpr,
+        TANH_GELU: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
@@ -330,19 +223,11 @@ if HAS_TLX:
         hidden_bufs = tlx.local_alloc((BLOCK, CHUNK), dtype, NUM_CONSUMERS)
         fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
         empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
-        if PINGPONG:
-            # W2's ring of its own: fulls and empties above are W1's.
-            w2_fulls = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=1)
-            w2_empties = tlx.alloc_barriers(num_barriers=NUM_STAGES, arrive_count=NUM_CONSUMERS)
 
         with tlx.async_tasks():
             with tlx.async_task("default"):
-                if PINGPONG:
-                    _split_ring_producer(desc_w1, desc_w2, w1_bufs, w2_bufs, fulls, empties, w2_fulls, w2_empties, T,
-                                         H, SLOT_BYTES // 2, NUM_STAGES, NUM_CONSUMERS, CHUNK)
-                else:
-                    _ring_producer(desc_w1, desc_w2, None, w1_bufs, w2_bufs, None, fulls, empties, T, H, SLOT_BYTES,
-                                   NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
+                _ring_producer(desc_w1, desc_w2, None, w1_bufs, w2_bufs, None, fulls, empties, T, H, SLOT_BYTES,
+                               NUM_STAGES, NUM_CONSUMERS, BLOCK, CHUNK)
 
             with tlx.async_task(num_warps=4, registers=CONSUMER_REGS, replicate=NUM_CONSUMERS):
                 cid: tl.constexpr = tlx.async_task_replica_id()
@@ -351,10 +236,6 @@ if HAS_TLX:
                 hidden_buf = hidden_bufs[cid]
                 pid, nprog, n_rounds = _num_rounds(T, NUM_CONSUMERS)
                 num_chunks = H // CHUNK
-                if PINGPONG:
-                    if cid == 1:
-                        # Consumer 0 takes the first turn.
-                        _pass_turn(cid)
                 for r in range(0, n_rounds):
                     row0 = ((pid + r * nprog) * NUM_CONSUMERS + cid) * BLOCK
                     rows = row0 + tl.arange(0, BLOCK)
@@ -366,26 +247,20 @@ if HAS_TLX:
                     tl.store(mean_ptr + rows, mean, mask=row_ok)
                     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
+                    acc = tl.zeros((BLOCK, D), dtype=tl.float32)
                     k0 = r * num_chunks
-                    if PINGPONG:
-                        acc = _pingpong_chunks(normed_buf, w1_bufs, w2_bufs, fulls, empties, w2_fulls, w2_empties,
-                                               b1_ptr, hidden_buf, desc_hidden, row0, k0, num_chunks, cid, dtype,
-                                               BLOCK, D, NUM_STAGES, CHUNK, TANH_GELU)
-                    else:
-                        acc = tl.zeros((BLOCK, D), dtype=tl.float32)
-                        # Chunk c's second product runs on the tensor cores while the other consumer's GELU runs.
-                        # (Issuing chunk c + 1's first product before chunk c's GELU, within one consumer, spilled
-                        # at d_model 256 and ran slower in both GELU forms on an H100: benchmarks/results/
-                        # mlp_gelu_h100.md, the PIPELINE rows; that knob is in git history at 5d59620.)
-                        for c in range(0, num_chunks):
-                            slot = (k0 + c) % NUM_STAGES
-                            hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0 + c,
-                                                                          NUM_STAGES))
-                            acc = _activation_and_second_product(
-                                hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
-                                TANH_GELU)
-                            acc = tlx.async_dot_wait(0, acc)
-                            tlx.barrier_arrive(empties[slot], 1)
+                    # Chunk c's second product runs on the tensor cores while the other consumer's GELU runs.
+                    # (Issuing chunk c + 1's first product before chunk c's GELU, within one consumer, spilled at
+                    # d_model 256 and ran slower in both GELU forms on an H100: benchmarks/results/mlp_gelu_h100.md,
+                    # the PIPELINE rows; that knob is in git history at 5d59620.)
+                    for c in range(0, num_chunks):
+                        slot = (k0 + c) % NUM_STAGES
+                        hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0 + c, NUM_STAGES))
+                        acc = _activation_and_second_product(
+                            hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
+                            TANH_GELU)
+                        acc = tlx.async_dot_wait(0, acc)
+                        tlx.barrier_arrive(empties[slot], 1)
 
                     # The second linear's output, rounded to the compute dtype before the residual as
                     # nn.Linear's is, staged through the LN(x) tile (no wgmma reads it any more).

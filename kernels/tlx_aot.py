@@ -74,17 +74,16 @@ class MlpAotConfig:
     x_dtype: str = "fp32"  # x under autocast; the matmuls' dtype is `dtype`
     dtype: str = "bf16"
     approximate: str = "none"  # GELU's, F.gelu's argument
-    pingpong: bool = False  # the forward's PINGPONG knob
 
     @property
     def name(self) -> str:
-        suffix = ("" if self.approximate == "none" else f"_gelu_{self.approximate}") + ("_pingpong" if self.pingpong else "")
+        suffix = "" if self.approximate == "none" else f"_gelu_{self.approximate}"
         return f"mlp_{self.direction}_d{self.d_model}_x{self.x_dtype}_{self.dtype}{suffix}"
 
     @property
     def knobs(self) -> dict:
         if self.direction == "fwd":
-            return mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("PINGPONG", True),) if self.pingpong else ())
+            return mlp_sublayer_tlx.tlx_mlp_config(self.d_model)
         cfg = mlp_sublayer_tlx.tlx_mlp_config(self.d_model, (("TRITON_BACKWARD", False),), backward=True)
         cfg.pop("TRITON_BACKWARD")  # a host-side choice, not a kernel constexpr
         return cfg
@@ -97,10 +96,7 @@ def mlp_aot_configs() -> list[MlpAotConfig]:
     return [MlpAotConfig(direction, d, x_dtype, dtype) for direction in ("fwd", "bwd")
             for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS for x_dtype, dtype in dtypes] + [
         MlpAotConfig(direction, d, approximate="tanh") for direction in ("fwd", "bwd")
-        for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS] + [
-        # The forward's PINGPONG knob: both GELU forms at every d_model, and configs/gpu.yaml's bf16 token stream.
-        MlpAotConfig("fwd", d, x_dtype, "bf16", approximate, pingpong=True) for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS
-        for approximate in ("none", "tanh") for x_dtype in ("fp32", "bf16")]
+        for d in mlp_sublayer_tlx.SUPPORTED_D_MODELS]
 
 
 def ast_source(fn, signature: dict, constexprs: dict, divisible) -> "ASTSource":

@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, mlp_variants, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache, profile_c_path,
 # profile_eager_c_path, profile_vs_base.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
@@ -45,7 +45,7 @@ step() {  # name, seconds, command...
 for s in "$@"; do
   case $s in
     env) step env 120 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, triton.__file__); import triton.language.extra.tlx; print(\"tlx ok\")"; python3 -c "import torchrec, datasets, lightning, jsonargparse, fbgemm_gpu; print(\"torchrec\", torchrec.__version__, \"datasets\", datasets.__version__, \"lightning\", lightning.__version__, \"fbgemm_gpu\", fbgemm_gpu.__file__)"' ;;
-    parity) step parity ${PARITY_TIMEOUT_S:-420} python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ${PARITY_K:+-k "$PARITY_K"} ;;
+    parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ${PARITY_K:+-k "$PARITY_K"} ;;
     smoke) step smoke_${SMOKE_ATTN:-tlx} 300 python3 train.py "${GPU_DATA[@]}" --attn=${SMOKE_ATTN:-tlx} --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_$GPU" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     profile) step profile 530 "${PROFILE_STEP[@]}" --attn tlx triton fa2 reference --out "$OUT/profile_step_$GPU" ;;
@@ -68,22 +68,6 @@ for s in "$@"; do
       done ;;
     mlp_gelu_parity) step mlp_gelu_parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py \
         -k "(test_mlp_parity and tanh) or mlp_custom_ops or mlp_parity_variants" ;;
-    # In both GELU forms, back to back: the TLX forward's PINGPONG knob (its consumers take turns at the tensor cores,
-    # each GELU running beside wgmmas), and the backward's hidden-gradient GEMM tiles (the defaults: 64 x 128 in the
-    # tanh form, which beat 64 x 64 on an H100 in mlp_sublayer_weight_grad_h100.md, and 64 x 64 for exact GELU, whose
-    # epilogue spills at 128 columns) against 64 x 64, 64 x 128, 128 x 128 and 64 x 256 (8 warps for the last two).
-    # Their GPU parity first, PINGPONG's alone under a short limit (a turn-taking bug hangs rather than fails):
-    # PARITY_K="mlp_parity_variants and pingpong" PARITY_TIMEOUT_S=150 gpu_session.sh parity, then
-    # PARITY_K=mlp_parity_variants.
-    mlp_variants) for gelu in none tanh; do
-        step mlp_variants_$gelu 400 python3 -m benchmarks.bench_sublayer --sublayer mlp --mlp-gelu $gelu \
-          --impls unfused_compiled triton tlx --profile --out "$OUT/mlp_variants_${gelu}_$GPU" \
-          --variant tlx_pingpong tlx '{"fwd": {"PINGPONG": true}}' \
-          --variant triton_bwd_64x64 triton '{"bwd": {"block_n": 64}}' \
-          --variant triton_bwd_64x128 triton '{"bwd": {"block_n": 128}}' \
-          --variant triton_bwd_128x128 triton '{"bwd": {"block_m": 128, "block_n": 128, "num_warps": 8}}' \
-          --variant triton_bwd_64x256 triton '{"bwd": {"block_n": 256, "num_warps": 8}}'
-      done ;;
     # The fused attention sublayer against today's unfused one (on the tlx attention kernel), at the gpu config's token count.
     # Variant rows: the per-block kernels ("blocks" plan), the Triton backend's and the tlx backend's, each
     # pass alone (beside the default plan's other pass) and both.

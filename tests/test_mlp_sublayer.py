@@ -374,12 +374,6 @@ def test_tlx_configs_fit_and_knobs_are_checked():
         tlx_mlp_config(256, (("TRITON_BACKWARD", True),))
     with pytest.raises(ValueError, match="needs .* B of shared memory"):
         tlx_mlp_config(256, (("NUM_STAGES", 4),))
-    # PINGPONG: off unless asked for, and only between two consumers.
-    assert tlx_mlp_config(256)["PINGPONG"] is False and tlx_mlp_config(256, (("PINGPONG", True),))["PINGPONG"] is True
-    with pytest.raises(ValueError, match="PINGPONG takes turns between two consumers; at d_model 256 .* there is 1"):
-        tlx_mlp_config(256, (("NUM_CONSUMERS", 1), ("PINGPONG", True)))
-    with pytest.raises(ValueError, match="unknown TLX mlp_sublayer bwd tuning knobs"):
-        tlx_mlp_config(256, (("PINGPONG", True),), backward=True)
 
 
 def test_benchmark_runs_variants_on_cpu(tmp_path):
