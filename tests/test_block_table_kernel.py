@@ -159,8 +159,6 @@ _AOT_SCRIPT = textwrap.dedent(
 )
 
 
-
-
 @pytest.mark.parametrize("python", AOT_PYTHONS)
 def test_kernel_compiles_for_sm90_without_spills(python, tmp_path):
     if not AOT_PYTHONS[python]:
