@@ -17,9 +17,8 @@ What the kernels save for the backward, and why (per token, d = d_model, H = 4d 
 - recomputed: LN(x) from x and the two statistics (x is read by the backward anyway), and
   GELU(pre-activation) and its derivative (elementwise; one erf for both, which bounds the backward's
   epilogue on the H200, or one hardware tanh in the tanh form).
-A backend's backward gives dx (through LN's backward), the hidden gradient, LN(x) and dW2 (cuBLAS over
-GELU's output, or a kernel that applies GELU as it loads the pre-activation); dW1 over all tokens runs
-here (cuBLAS on a GPU); bias and LayerNorm-affine
+A backend's backward gives dx (through LN's backward), the hidden gradient, GELU's output and LN(x);
+the two weight-gradient GEMMs over all tokens run here (cuBLAS on a GPU); bias and LayerNorm-affine
 gradients come from per-tile partial sums added in a fixed order, so every gradient is bitwise
 repeatable.
 """
@@ -120,10 +119,10 @@ def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable
 
         forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, approximate, launch) -> (y, hidden, mean, rstd)
         backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, approximate, launch)
-            -> (dx, grad_hidden, normed, dw2, db1_parts, column_parts)
+            -> (dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts)
 
-    hidden, grad_hidden: [T, H] in the compute dtype; normed: LN(x) [T, D] in it; dw2: W2's gradient
-    [D, H] in it; db1_parts [tiles, H] and column_parts [tiles, 3, D] (the LN weight's, LN
+    grad_out: grad_y in the compute dtype; hidden, grad_hidden, activation: [T, H] in it; normed:
+    LN(x) [T, D] in it; db1_parts [tiles, H] and column_parts [tiles, 3, D] (the LN weight's, LN
     bias's and b2's gradients): fp32 partial sums, added here in one fixed order.
     """
 
@@ -142,11 +141,12 @@ def mlp_kernel_ops(name: str, forward: Callable, backward: Callable) -> Callable
                 x.new_empty(tokens, w1.shape[0], dtype=w1.dtype), stats, torch.empty_like(stats)]
 
     def gradients(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, approximate, launch):
-        dx, grad_hidden, normed, dw2, db1_parts, column_parts = backward(
+        dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts = backward(
             grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd, eps, approximate, launch)
         compute_dtype = w1.dtype
-        # A sum over every token: one GEMM over the whole batch.
+        # The weight gradients are sums over every token: two GEMMs over the whole batch.
         dw1 = grad_hidden.t() @ normed
+        dw2 = grad_out.t() @ activation
         # Copies: a custom op's outputs may not be views of one another.
         dnw, dnb, db2 = column_parts.sum(0).unbind(0)
         return (dx, dnw.to(norm_weight.dtype, copy=True), dnb.to(norm_bias.dtype, copy=True), dw1,

@@ -424,8 +424,7 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
                 num_stages=1, **cfg,
             )
     column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx)
-    dw2 = grad_y.to(dtype).t() @ activation_rows[:tokens]
-    return dx, grad_hidden_rows[:tokens], normed, dw2, db1_parts, column_parts
+    return dx, grad_y.to(dtype), grad_hidden_rows[:tokens], activation_rows[:tokens], normed, db1_parts, column_parts
 
 
 def _padded_rows(t: torch.Tensor) -> torch.Tensor:

@@ -287,13 +287,12 @@ def _backward_gemms(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
     # The second linear's output was rounded to the compute dtype; its gradient is taken in it too.
     grad_out = grad_y.to(w1.dtype).contiguous()
     grad_hidden, activation, db1_parts = _hidden_grad(grad_out, w2, hidden, config, approximate)
-    dw2 = grad_out.t() @ activation
     # LN's output gradient in the compute dtype, as autograd of the unfused path's bf16 linear gives it.
     grad_normed = grad_hidden @ w1
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     normed = torch.empty((tokens, d_model), dtype=w1.dtype, device=x.device)
     column_parts = layer_norm_backward(grad_normed, grad_y, x, mean, rstd, norm_weight, norm_bias, dx, normed)
-    return dx, grad_hidden, normed, dw2, db1_parts, column_parts
+    return dx, grad_out, grad_hidden, activation, normed, db1_parts, column_parts
 
 
 def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config, approximate):
@@ -311,7 +310,7 @@ def _backward_tiles(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rst
         args = (grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, dx, grad_hidden, activation, normed,
                 db1_parts, column_parts, tokens, hidden_width, x.stride(0), grad_y.stride(0))
         _launch(_mlp_sublayer_bwd_tiles, tiles, x.device, config, args, _constexprs(x, w1, config, approximate))
-    return dx, grad_hidden, normed, grad_y.to(w1.dtype).t() @ activation, db1_parts, column_parts
+    return dx, grad_y.to(w1.dtype), grad_hidden, activation, normed, db1_parts, column_parts
 
 
 _run_ops = mlp_kernel_ops("triton", _forward, _backward)
