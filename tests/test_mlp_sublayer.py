@@ -221,12 +221,14 @@ from kernels.sublayer_triton import _bias_gemm, _residual_gemm
 from kernels.tlx_aot import ast_source
 
 bf16 = "*bf16"
+# The forward's tiles are the same in both GELU forms, the backward's are not. The first GEMM has no GELU; the
+# other two take it in each form.
 fwd = launch_config("fwd", 256)
-# The first GEMM has no GELU; the other two take it in each form.
 kernels = [(_bias_gemm, dict(a_ptr=bf16, w_ptr=bf16, b_ptr=bf16, out_ptr=bf16, T="i32", N="i32"),
             dict(K=256, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, BLOCK_K=64), fwd)]
+assert launch_config("fwd", 256, "", "tanh") == fwd
 for approximate in ("none", "tanh"):
-    fwd, bwd = (launch_config(direction, 256, "", approximate) for direction in ("fwd", "bwd"))
+    bwd = launch_config("bwd", 256, "", approximate)
     tanh = approximate == "tanh"
     kernels += [
         (_residual_gemm, dict(a_ptr=bf16, w_ptr=bf16, b_ptr=bf16, x_ptr="*fp32", y_ptr="*fp32", T="i32", K="i32",
