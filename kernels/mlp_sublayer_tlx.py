@@ -58,7 +58,7 @@ SUPPORTED_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "STORE_HIDDEN")
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # TRITON_BACKWARD: the backward is the Triton backend's, with its default plan (kernels/mlp_sublayer_triton.py).
 BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
@@ -138,20 +138,18 @@ if HAS_TLX:
 
     @triton.jit
     def _activation_and_second_product(hidden, acc, b1_ptr, w2_buf, hidden_buf, desc_hidden, row0, c,
-                                       dtype: tl.constexpr, CHUNK: tl.constexpr, TANH_GELU: tl.constexpr,
-                                       STORE_HIDDEN: tl.constexpr):
+                                       dtype: tl.constexpr, CHUNK: tl.constexpr, TANH_GELU: tl.constexpr):
         """Chunk c's bias and GELU on the first product's fp32 result, then (issued, not waited) the
         second product into acc; the rounded pre-activation leaves by TMA while that runs."""
         b1 = tl.load(b1_ptr + c * CHUNK + tl.arange(0, CHUNK)).to(tl.float32)
         hidden = (hidden + b1[None, :]).to(dtype)
         activation = _gelu(hidden.to(tl.float32), TANH_GELU).to(dtype)
         acc = tlx.async_dot(activation, tlx.local_trans(w2_buf), acc)
-        if STORE_HIDDEN:
-            # TMA writes no row past T; the previous chunk's store has had a chunk's time to read the tile.
-            tlx.async_descriptor_store_wait(0)
-            tlx.local_store(hidden_buf, hidden)
-            tlx.fence_async_shared()
-            tlx.async_descriptor_store(desc_hidden, hidden_buf, [row0, c * CHUNK])
+        # TMA writes no row past T; the previous chunk's store has had a chunk's time to read the tile.
+        tlx.async_descriptor_store_wait(0)
+        tlx.local_store(hidden_buf, hidden)
+        tlx.fence_async_shared()
+        tlx.async_descriptor_store(desc_hidden, hidden_buf, [row0, c * CHUNK])
         return acc
 
     @triton.jit
@@ -207,10 +205,10 @@ if HAS_TLX:
     @triton.jit
     def _tlx_mlp_sublayer_fwd(
         desc_w1, desc_w2, desc_hidden, x_ptr, norm_weight_ptr, norm_bias_ptr, b1_ptr, b2_ptr,
-        y_ptr, mean_ptr, rstd_ptr, normed_ptr,
+        y_ptr, mean_ptr, rstd_ptr,
         T, H, eps,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        TANH_GELU: tl.constexpr, STORE_HIDDEN: tl.constexpr = True,
+        TANH_GELU: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
@@ -245,7 +243,7 @@ if HAS_TLX:
                     rows64 = rows.to(tl.int64)
                     # The previous tile's wgmmas have finished reading the LN(x) tile (each was waited).
                     mean, rstd = _layer_norm_to_smem(x_ptr, norm_weight_ptr, norm_bias_ptr, rows64, row_ok, normed_buf,
-                                                     eps, dtype, D, CHUNK, None if STORE_HIDDEN else normed_ptr)
+                                                     eps, dtype, D, CHUNK)
                     tl.store(mean_ptr + rows, mean, mask=row_ok)
                     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -260,7 +258,7 @@ if HAS_TLX:
                         hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0 + c, NUM_STAGES))
                         acc = _activation_and_second_product(
                             hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
-                            TANH_GELU, STORE_HIDDEN)
+                            TANH_GELU)
                         acc = tlx.async_dot_wait(0, acc)
                         tlx.barrier_arrive(empties[slot], 1)
 
@@ -371,7 +369,6 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, approximate, launch
     hidden = hidden_rows[:tokens]
     mean = torch.empty(tokens, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    normed = torch.empty((tokens, d_model), dtype=w1.dtype, device=x.device)
     if tokens == 0:
         return y, hidden, mean, rstd
     overrides = launch_overrides(launch, "fwd")
@@ -384,8 +381,7 @@ def _forward(x, norm_weight, norm_bias, w1, b1, w2, b2, eps, approximate, launch
         desc_hidden = TensorDescriptor(hidden_rows, shape=[tokens, hidden_width], strides=[hidden_width, 1],
                                        block_shape=[BLOCK_M, BLOCK_H])
         _tlx_mlp_sublayer_fwd[(grid,)](
-            desc_w1, desc_w2, desc_hidden, x, norm_weight, norm_bias, b1, b2, y, mean, rstd, normed, tokens,
-            hidden_width, eps,
+            desc_w1, desc_w2, desc_hidden, x, norm_weight, norm_bias, b1, b2, y, mean, rstd, tokens, hidden_width, eps,
             D=d_model, TANH_GELU=tanh_gelu(approximate), num_warps=4, num_stages=1, **cfg,
         )
     return y, hidden, mean, rstd

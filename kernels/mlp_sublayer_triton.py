@@ -132,10 +132,10 @@ def _mlp_sublayer_bwd_tiles(
 
 @triton.jit
 def _hidden_grad_gemm(
-    grad_out_ptr, w2_ptr, hidden_ptr, w1_ptr, b1_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
+    grad_out_ptr, w2_ptr, hidden_ptr, grad_hidden_ptr, activation_ptr, db1_parts_ptr,
     T, H,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TANH_GELU: tl.constexpr, RECOMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TANH_GELU: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of dH = (dY · W2) * GELU'(pre-activation), with dH's column sums
     (b1's gradient) and GELU's output (dW2's operand for cuBLAS) from the same epilogue: the [T, H] product
@@ -149,12 +149,7 @@ def _hidden_grad_gemm(
     tile_start = tile_m.to(tl.int64) * BLOCK_M * H
     offs = tl.arange(0, BLOCK_M)[:, None] * H + hcols[None, :]
     ok = row_ok[:, None] & hcol_ok[None, :]
-    if RECOMPUTE:
-        pre, _, _, _, _, _ = _gemm_tile(hidden_ptr, w1_ptr, T, H, D, True, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
-        hidden = (pre + tl.load(b1_ptr + hcols, mask=hcol_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
-        hidden = hidden.to(tl.float32)
-    else:
-        hidden = tl.load(hidden_ptr + tile_start + offs, mask=ok, other=0.0).to(tl.float32)
+    hidden = tl.load(hidden_ptr + tile_start + offs, mask=ok, other=0.0).to(tl.float32)
     activation, gelu_grad = _gelu_and_grad(hidden, TANH_GELU)
     tl.store(activation_ptr + tile_start + offs, activation.to(dtype), mask=ok)
     grad_hidden = (acc * gelu_grad).to(dtype)
@@ -270,7 +265,7 @@ def _backward(grad_y, x, norm_weight, norm_bias, w1, b1, w2, hidden, mean, rstd,
     return plan(grad_y, x, norm_weight, norm_bias, w1, w2, hidden, mean, rstd, config, approximate)
 
 
-def _hidden_grad(grad_out, w2, hidden, config, approximate, w1=None, b1=None):
+def _hidden_grad(grad_out, w2, hidden, config, approximate):
     """dH = (dY · W2) * GELU'(pre-activation), GELU's output and dH's per-tile column sums, by _hidden_grad_gemm."""
     tokens, d_model = grad_out.shape
     hidden_width = w2.shape[1]
@@ -279,11 +274,9 @@ def _hidden_grad(grad_out, w2, hidden, config, approximate, w1=None, b1=None):
     row_tiles = triton.cdiv(tokens, config.block_m)
     db1_parts = torch.zeros((row_tiles, hidden_width), dtype=torch.float32, device=grad_out.device)
     if tokens:
-        recompute = w1 is not None
-        args = (grad_out, w2, hidden, w1 if recompute else w2, b1 if recompute else w2, grad_hidden, activation,
-                db1_parts, tokens, hidden_width)
+        args = (grad_out, w2, hidden, grad_hidden, activation, db1_parts, tokens, hidden_width)
         constexprs = dict(D=d_model, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=min(64, d_model),
-                          DOT_PRECISION=dot_precision(w2.dtype), TANH_GELU=tanh_gelu(approximate), RECOMPUTE=recompute)
+                          DOT_PRECISION=dot_precision(w2.dtype), TANH_GELU=tanh_gelu(approximate))
         _launch(_hidden_grad_gemm, row_tiles * triton.cdiv(hidden_width, config.block_n), grad_out.device, config,
                 args, constexprs)
     return grad_hidden, activation, db1_parts

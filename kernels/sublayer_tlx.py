@@ -60,7 +60,7 @@ if HAS_TLX:
 
     @triton.jit
     def _layer_norm_to_smem(x_ptr, norm_weight_ptr, norm_bias_ptr, rows64, row_ok, normed_buf, eps,
-                            dtype: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, normed_ptr=None):
+                            dtype: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
         """LN(x) of the 64 rows into normed_buf [64, D] (wgmma's A tile, of dtype), fenced for the
         async proxy; returns the rows' mean and 1/std. Two-pass statistics, then the normalized slices;
         the slices after the first pass come from L2. The caller makes sure no wgmma still reads
@@ -81,9 +81,6 @@ if HAS_TLX:
             bias = tl.load(norm_bias_ptr + c * CHUNK + hcols).to(tl.float32)
             normed = centered * rstd[:, None] * weight[None, :] + bias[None, :]
             tlx.local_store(tlx.local_slice(normed_buf, [0, c * CHUNK], [64, CHUNK]), normed.to(dtype))
-            if normed_ptr is not None:
-                tl.store(normed_ptr + rows64[:, None] * D + (c * CHUNK + hcols)[None, :], normed.to(dtype),
-                         mask=row_ok[:, None])
         tlx.fence_async_shared()
         return mean, rstd
 

@@ -125,7 +125,7 @@ def _mlp_source(cfg: MlpAotConfig):
         fn = _tlx_mlp_sublayer_fwd
         signature = dict(**weights, desc_hidden=chunk_desc, x_ptr=f"*{cfg.x_dtype}", norm_weight_ptr="*fp32",
                          norm_bias_ptr="*fp32", b1_ptr=f"*{dt}", b2_ptr=f"*{dt}", y_ptr=f"*{cfg.x_dtype}",
-                         mean_ptr="*fp32", rstd_ptr="*fp32", normed_ptr=f"*{dt}", T="i32", H="i32", eps="fp32")
+                         mean_ptr="*fp32", rstd_ptr="*fp32", T="i32", H="i32", eps="fp32")
     else:
         fn = _tlx_mlp_sublayer_bwd
         signature = dict(**weights, desc_hidden=chunk_desc, desc_grad_hidden=chunk_desc, desc_activation=chunk_desc,
