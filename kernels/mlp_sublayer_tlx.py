@@ -58,7 +58,7 @@ SUPPORTED_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 64  # one wgmma M tile per consumer warpgroup
 BLOCK_H = 64
 MAX_STAGES = 4
-FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "OVERLAP")
+FWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS")
 # TRITON_BACKWARD: the backward is the Triton backend's, with its default plan (kernels/mlp_sublayer_triton.py).
 BWD_KNOBS = ("NUM_STAGES", "NUM_CONSUMERS", "TRITON_BACKWARD")
 # Per consumer, what the compiler adds beyond our buffers (reductions, barriers, alignment), as
@@ -95,17 +95,8 @@ def _cached_config(d_model: int, knob_items: tuple, backward: bool) -> dict:
         raise ValueError(f"unknown TLX mlp_sublayer {'bwd' if backward else 'fwd'} tuning knobs {sorted(unknown)}; "
                          f"choose from {allowed}")
 
-    ring_knobs = {k: v for k, v in knobs.items() if k != "OVERLAP"}
-    cfg = choose_ring(ring_knobs, lambda stages, consumers: smem_bytes(d_model, stages, consumers, backward),
-                      MAX_STAGES, f"TLX mlp_sublayer {'bwd' if backward else 'fwd'} at d_model {d_model}")
-    if not backward:
-        # OVERLAP: a consumer queues chunk c + 1's first product right behind chunk c's second and waits once for
-        # both, not once for each; chunk c + 1's slot is waited for before chunk c's is released, so the ring
-        # needs two slots.
-        cfg["OVERLAP"] = bool(knobs.get("OVERLAP", False))
-        if cfg["OVERLAP"] and cfg["NUM_STAGES"] < 2:
-            raise ValueError(f"TLX mlp_sublayer fwd OVERLAP needs a ring of 2 or more slots at d_model {d_model}, "
-                             f"got {cfg['NUM_STAGES']}")
+    cfg = choose_ring(knobs, lambda stages, consumers: smem_bytes(d_model, stages, consumers, backward), MAX_STAGES,
+                      f"TLX mlp_sublayer {'bwd' if backward else 'fwd'} at d_model {d_model}")
     if backward:
         # On by default: at d_model 256 (one consumer fits) the TLX tile kernel ran slower than the
         # Triton one on the H200 (benchmarks/results/mlp_sublayer_h200.md).
@@ -217,7 +208,7 @@ if HAS_TLX:
         y_ptr, mean_ptr, rstd_ptr,
         T, H, eps,
         D: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_CONSUMERS: tl.constexpr, CONSUMER_REGS: tl.constexpr,
-        TANH_GELU: tl.constexpr, OVERLAP: tl.constexpr,
+        TANH_GELU: tl.constexpr,
     ):
         BLOCK: tl.constexpr = 64
         CHUNK: tl.constexpr = 64
@@ -262,34 +253,14 @@ if HAS_TLX:
                     # (Issuing chunk c + 1's first product before chunk c's GELU, within one consumer, spilled at
                     # d_model 256 and ran slower in both GELU forms on an H100: benchmarks/results/mlp_gelu_h100.md,
                     # the PIPELINE rows; that knob is in git history at 5d59620.)
-                    if OVERLAP:
-                        hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0, NUM_STAGES))
-                        for c in range(0, num_chunks - 1):
-                            slot = (k0 + c) % NUM_STAGES
-                            acc = _activation_and_second_product(
-                                hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
-                                TANH_GELU)
-                            next_hidden = _first_product(normed_buf, w1_bufs, fulls, k0 + c + 1, NUM_STAGES)
-                            # wgmma groups complete in order: one wait covers both products.
-                            acc = tlx.async_dot_wait(0, acc)
-                            hidden = tlx.async_dot_wait(0, next_hidden)
-                            tlx.barrier_arrive(empties[slot], 1)
-                        last_slot = (k0 + num_chunks - 1) % NUM_STAGES
+                    for c in range(0, num_chunks):
+                        slot = (k0 + c) % NUM_STAGES
+                        hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0 + c, NUM_STAGES))
                         acc = _activation_and_second_product(
-                            hidden, acc, b1_ptr, w2_bufs[last_slot], hidden_buf, desc_hidden, row0, num_chunks - 1,
-                            dtype, CHUNK, TANH_GELU)
+                            hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
+                            TANH_GELU)
                         acc = tlx.async_dot_wait(0, acc)
-                        tlx.barrier_arrive(empties[last_slot], 1)
-                    else:
-                        for c in range(0, num_chunks):
-                            slot = (k0 + c) % NUM_STAGES
-                            hidden = tlx.async_dot_wait(0, _first_product(normed_buf, w1_bufs, fulls, k0 + c,
-                                                                          NUM_STAGES))
-                            acc = _activation_and_second_product(
-                                hidden, acc, b1_ptr, w2_bufs[slot], hidden_buf, desc_hidden, row0, c, dtype, CHUNK,
-                                TANH_GELU)
-                            acc = tlx.async_dot_wait(0, acc)
-                            tlx.barrier_arrive(empties[slot], 1)
+                        tlx.barrier_arrive(empties[slot], 1)
 
                     # The second linear's output, rounded to the compute dtype before the residual as
                     # nn.Linear's is, staged through the LN(x) tile (no wgmma reads it any more).

@@ -169,7 +169,6 @@ def test_mlp_custom_ops_pass_opcheck_on_gpu(backend):
 # The kernel backends' launch variants that the benchmark times (kernels.mlp_sublayer_tlx.FWD_KNOBS, BWD_KNOBS;
 # kernels.mlp_sublayer_triton.LaunchConfig): name -> (backend, launch).
 MLP_VARIANTS = {"tlx_one_consumer": ("tlx", {"fwd": {"NUM_CONSUMERS": 1}}),
-                "tlx_overlap": ("tlx", {"fwd": {"OVERLAP": True}}),
                 "tlx_tiles_backward": ("tlx", {"bwd": {"TRITON_BACKWARD": False}}),
                 # Each GELU form's backward tiles in the other form (64 x 64 exact, 64 x 128 tanh by default).
                 "triton_bwd_64x64": ("triton", {"bwd": {"block_n": 64}}),
