@@ -246,8 +246,8 @@ def _layer_norm_bwd_tiles(
 # Rows a LayerNorm program takes at a time: its fp32 rows are D wide, so few rows keep them in
 # registers; the backward's programs take LAYER_NORM_BWD_CHUNKS such blocks, for fewer partial sums,
 # over 2 warps, faster than 4 on the H200 at configs/gpu.yaml's shape (benchmarks/results/mlp_sublayer_h200.md).
-# 4 blocks, not 8: twice the programs, 0.152 against 0.169 ms on an H100 at that shape (bf16 x), the same rows
-# a program computes at a time so the same dx (benchmarks/results/sublayer_kernel_sweeps_h100.md).
+# 4 blocks, not 8: twice the programs, faster on an H100 at that shape, and the same rows a program computes at a
+# time, so the same dx (benchmarks/results/sublayer_kernel_sweeps_h100.md).
 LAYER_NORM_ROWS = 16
 LAYER_NORM_BWD_CHUNKS = 4
 LAYER_NORM_BWD_WARPS = 2
