@@ -205,10 +205,10 @@ def launch_config(direction: str, d_model: int, launch: str = "", approximate: s
         # A GEMM's tiles, a 3-deep pipeline of its K steps. The forward's: 128 x 128 over 8 warps.
         # The backward's: 64 rows over 4 warps: with K = d_model its epilogue (GELU and its derivative)
         # outweighs its matmul, and small programs overlap more of them (64-row tiles beat 128-row ones on
-        # the H200, benchmarks/results/mlp_sublayer_h200.md's rounds). 128 columns in GELU's tanh form: on an
-        # H100 its hidden-gradient GEMM took 0.493 ms against 0.576 at 64 (mlp_sublayer_weight_grad_h100.md),
-        # spilling 312 bytes then (none since); exact GELU's longer epilogue still spills ~300 at 128 columns
-        # and was not timed so, so it keeps 64.
+        # the H200, benchmarks/results/mlp_sublayer_h200.md's rounds). 128 columns in GELU's tanh form, faster
+        # on an H100 and in the step (mlp_tanh_tiles_h100.md, profile_step_bwd_tiles_64x128_h100.md); exact GELU's
+        # longer epilogue spills at 128 columns under fbtriton and ran slower there (mlp_exact_tiles_h100.md), so
+        # it keeps 64.
         wide = direction == "fwd"
         default = LaunchConfig(plan=plan, block_m=128 if wide else 64,
                                block_n=128 if wide or tanh_gelu(approximate) else 64,
