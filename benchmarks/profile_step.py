@@ -22,6 +22,7 @@ torch.profiler (CPU and CUDA activities) for what the device does, through train
 """
 
 import argparse
+import bisect
 import json
 import re
 import shlex
@@ -68,6 +69,11 @@ HOST_ACTIONS = {
 HOST_PHASES = ("fetch batch", "move batch to device", "forward (training_step)", "backward", "gradient clipping",
                "optimizer step", "zero_grad", "callbacks", "Lightning and everything else", "profiler's own hooks")
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+# Host calls that put work on the device: the one right before an idle gap's end launched the work that ended it.
+LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+              "cudaMemcpyAsync", "cudaMemsetAsync")
+# Idle stretches shorter than this are the launch latency between back-to-back kernels, not a wait for the host.
+IDLE_GAP_US = 10.0
 
 
 def kernel_family(name: str) -> str:
@@ -142,6 +148,7 @@ class StepProfiler(Callback):
         syncs = defaultdict(lambda: [0, 0.0])
         sync_sources = defaultdict(lambda: [0, 0.0])
         host_ops = defaultdict(lambda: [0, 0.0])
+        launches = []
         for event in profiler.events():
             # GPU-side spans of record_function ranges (Optimizer.step#AdamW.step, ...) are not work:
             # they cover the kernels inside them and the device's idle gaps between those.
@@ -155,12 +162,20 @@ class StepProfiler(Callback):
                 continue
             host_ops[event.name][0] += 1
             host_ops[event.name][1] += event.self_cpu_time_total
+            if event.name in LAUNCH_OPS:
+                launches.append((event.time_range.start, event))
             if event.name in SYNC_OPS:  # with their total time: what they waited counts
                 syncs[event.name][0] += 1
                 syncs[event.name][1] += event.cpu_time
-                source = sync_sources[sync_source(event)]
+                source = sync_sources[operator_chain(event)]
                 source[0] += 1
                 source[1] += event.cpu_time
+        gaps = idle_gaps(intervals, IDLE_GAP_US)
+        gap_sources = defaultdict(lambda: [0, 0.0])
+        for launch, (start, end) in zip(launch_before(launches, [end for _, end in gaps]), gaps):
+            source = gap_sources[operator_chain(launch) if launch is not None else "(no launch recorded)"]
+            source[0] += 1
+            source[1] += end - start
         device_us = defaultdict(float)
         for name, (_, us) in kernels.items():
             device_us[kernel_family(name)] += us
@@ -189,6 +204,9 @@ class StepProfiler(Callback):
                                for name, (calls, us) in syncs.items()},
             "sync_sources": [{"source": source, "calls_per_step": calls / steps, "host_ms_per_step": us / steps / 1e3}
                              for source, calls, us in top(sync_sources)],
+            "idle_gaps_per_step": {"gaps": len(gaps) / steps, "ms": sum(e - s for s, e in gaps) / steps / 1e3},
+            "idle_gap_sources": [{"source": source, "gaps_per_step": n / steps, "ms_per_step": us / steps / 1e3}
+                                 for source, n, us in top(gap_sources)],
             "flops_per_step": self.marks["flops"] / steps, "tokens_per_step": self.marks["tokens"] / steps,
             "samples_per_step": self.marks["samples"] / steps, "min_bytes_per_step": min_bytes / max(len(history), 1),
             "peak_flops": peak_flops(device, dtype), "ceilings": ceilings,
@@ -209,15 +227,40 @@ def top(counts: dict) -> list[tuple[str, int, float]]:
 SOURCE_DEPTH = 5  # enclosing operators named per sync
 
 
-def sync_source(event) -> str:
-    """A host wait and the operators around it, innermost first: `cudaStreamSynchronize < aten::item
-    < ...`. The backward's ops run on autograd's thread, so the chain names the backward node
-    (`autograd::engine::evaluate_function: ...Backward0`) rather than a Python line."""
+def operator_chain(event) -> str:
+    """A host event (a wait, a launch) and the operators around it, innermost first:
+    `cudaStreamSynchronize < aten::item < ...`. The backward's ops run on autograd's thread, so the
+    chain names the backward node (`autograd::engine::evaluate_function: ...Backward0`) rather than a
+    Python line."""
     names, parent = [event.name], event.cpu_parent
     while parent is not None and len(names) <= SOURCE_DEPTH:
         names.append(parent.name)
         parent = parent.cpu_parent
     return " < ".join(names)
+
+
+def idle_gaps(intervals: list[tuple[float, float]], min_length: float) -> list[tuple[float, float]]:
+    """The stretches of at least `min_length` between the first interval's start and the last's end
+    that no interval covers: where the device had nothing to run."""
+    gaps, end = [], None
+    for start, stop in sorted(intervals):
+        if end is not None and start - end >= min_length:
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    return gaps
+
+
+def launch_before(launches: list[tuple[float, object]], times: list[float]) -> list:
+    """For each time, the last launch (start, event) that began at or before it, or None. The launch
+    right before an idle gap's end is the one whose work ended the gap, its operators what the host
+    was doing while the device waited."""
+    starts = sorted(launches, key=lambda item: item[0])
+    keys = [start for start, _ in starts]
+    found = []
+    for time_ in times:
+        index = bisect.bisect_right(keys, time_) - 1
+        found.append(starts[index][1] if index >= 0 else None)
+    return found
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -341,6 +384,15 @@ def render_markdown(reports: dict, command: str) -> str:
                       "| wait < enclosing operators | calls/step | host ms/step |", "|---|---:|---:|"]
             lines += [f"| `{w['source'][:300]}` | {w['calls_per_step']:.1f} | {w['host_ms_per_step']:.3f} |"
                       for w in report["sync_sources"]]
+            lines.append("")
+        if report.get("idle_gap_sources"):
+            idle = report["idle_gaps_per_step"]
+            lines += [f"## Where the device waits for the host (under torch.profiler): {backend}", "",
+                      f"{idle['ms']:.2f} ms a step idle in {idle['gaps']:.1f} gaps of at least {IDLE_GAP_US:.0f} µs between "
+                      f"kernels; each gap by the host launch that ended it, with up to {SOURCE_DEPTH} enclosing operators.",
+                      "", "| launch < enclosing operators | gaps/step | idle ms/step |", "|---|---:|---:|"]
+            lines += [f"| `{g['source'][:300]}` | {g['gaps_per_step']:.1f} | {g['ms_per_step']:.3f} |"
+                      for g in report["idle_gap_sources"]]
             lines.append("")
         if report.get("top_host_ops_profiled"):
             lines += [f"## Top host operators by self time (under torch.profiler): {backend}", "",

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_step import SOURCE_DEPTH, SYNC_OPS, host_phases, kernel_family, sync_source, union_length
+from benchmarks.profile_step import (SOURCE_DEPTH, SYNC_OPS, host_phases, idle_gaps, kernel_family, launch_before,
+                                    operator_chain, union_length)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,15 +41,28 @@ def test_kernel_families(kernel, family):
     assert kernel_family(kernel) == family
 
 
-def test_sync_source_names_the_enclosing_operators_innermost_first():
+def test_operator_chain_names_the_enclosing_operators_innermost_first():
     outer = _Event("autograd::engine::evaluate_function: EmbeddingBackward0")
     wait = _Event("cudaStreamSynchronize", _Event("aten::_local_scalar_dense", _Event("aten::item", outer)))
-    assert sync_source(wait) == ("cudaStreamSynchronize < aten::_local_scalar_dense < aten::item"
+    assert operator_chain(wait) == ("cudaStreamSynchronize < aten::_local_scalar_dense < aten::item"
                                  " < autograd::engine::evaluate_function: EmbeddingBackward0")
     deep = _Event("leaf")
     for _ in range(9):
         deep = _Event("leaf", deep)
-    assert sync_source(deep).count(" < ") == SOURCE_DEPTH
+    assert operator_chain(deep).count(" < ") == SOURCE_DEPTH
+
+
+def test_idle_gaps_are_the_uncovered_stretches_between_kernels():
+    assert idle_gaps([], 1) == []
+    # Overlapping kernels (two streams) leave no gap; the 1-unit stretch is below the threshold.
+    assert idle_gaps([(0, 5), (2, 8), (9, 10), (30, 31), (12, 20)], 2) == [(10, 12), (20, 30)]
+    assert idle_gaps([(0, 10), (2, 3), (4, 5)], 1) == []
+
+
+def test_launch_before_takes_the_last_launch_at_or_before_each_time():
+    a, b = _Event("cudaGraphLaunch"), _Event("cudaLaunchKernel")
+    assert launch_before([(5.0, b), (1.0, a)], [0.5, 1.0, 4.9, 7.0]) == [None, a, a, b]
+    assert launch_before([], [3.0]) == [None]
 
 
 def test_host_phases_take_the_closure_out_of_the_optimizer_step():
@@ -93,4 +107,7 @@ def test_profile_of_the_tiny_config(tmp_path):
     assert sources and all(source.split(" < ")[0] in SYNC_OPS for source in sources)
     markdown = out.with_suffix(".md").read_text()
     assert "Where the host waits" in markdown
+    # No device, no kernels: nothing idles, and the section is left out.
+    assert report["idle_gaps_per_step"] == {"gaps": 0, "ms": 0} and report["idle_gap_sources"] == []
+    assert "Where the device waits" not in markdown
     assert "unprofiled" in markdown and "Top host operators" in markdown
