@@ -87,8 +87,8 @@ class StepProfiler(Callback):
     """Times training steps [warmup, warmup + steps) unprofiled, profiles the next `steps` steps and
     writes `out` (JSON)."""
 
-    def __init__(self, out: str, warmup: int = 20, steps: int = 10):
-        self.out, self.warmup, self.steps = Path(out), warmup, steps
+    def __init__(self, out: str, warmup: int = 20, steps: int = 10, trace: bool = False):
+        self.out, self.warmup, self.steps, self.trace = Path(out), warmup, steps, trace
         self.profiler = None
         self.marks: dict = {}
 
@@ -130,6 +130,8 @@ class StepProfiler(Callback):
             self._sync(pl_module)
             profiled_wall = time.perf_counter() - self.marks["profiled_start"]
             self.profiler.__exit__(None, None, None)
+            if self.trace:  # the profiled steps' timeline (chrome://tracing, Perfetto), gzip'd: <out>.trace.json.gz
+                self.profiler.export_chrome_trace(str(self.out.with_suffix(".trace.json.gz")))
             self._write(trainer, pl_module, self.profiler, self.marks["wall"], profiled_wall, self.marks["host"])
             self.profiler = None
             trainer.should_stop = True
@@ -417,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="steps before profiling (compiles, CUDA graphs, caches)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True, help="writes <out>.json and <out>.md")
+    parser.add_argument("--trace", action="store_true", help="also <out>.<backend>.trace.json.gz: the profiled "
+                        "steps' timeline, host and device, for chrome://tracing or Perfetto")
     args, passthrough = parser.parse_known_args(argv)
     reports = {}
     for backend in args.attn:
@@ -427,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             "--trainer.val_check_interval=100000", "--trainer.limit_val_batches=0",
             "--trainer.callbacks+=benchmarks.profile_step.StepProfiler", f"--trainer.callbacks.out={part}",
             f"--trainer.callbacks.warmup={args.warmup}", f"--trainer.callbacks.steps={args.steps}",
+            f"--trainer.callbacks.trace={args.trace}",
             "--run_name=profile_step", "--runs_dir=/tmp/profile_step_runs",
         ]
         print(f"== {backend}: {shlex.join(command)}", flush=True)

@@ -1,5 +1,6 @@
 """benchmarks/profile_step.py on the CPU: the two windows, the report's fields and its arithmetic."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def test_profile_of_the_tiny_config(tmp_path):
     out = tmp_path / "profile"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.profile_step", "--config", "configs/tiny.yaml", "--attn", "reference",
-         "--warmup", "2", "--steps", "3", "--out", str(out), f"--data.data_dir={tmp_path / 'cache'}"],
+         "--warmup", "2", "--steps", "3", "--out", str(out), "--trace", f"--data.data_dir={tmp_path / 'cache'}"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -110,4 +111,7 @@ def test_profile_of_the_tiny_config(tmp_path):
     # No device, no kernels: nothing idles, and the section is left out.
     assert report["idle_gaps_per_step"] == {"gaps": 0, "ms": 0} and report["idle_gap_sources"] == []
     assert "Where the device waits" not in markdown
+    # --trace keeps the profiled steps' timeline beside the report.
+    trace = json.loads(gzip.decompress((tmp_path / "profile.reference.trace.json.gz").read_bytes()))
+    assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])
     assert "unprofiled" in markdown and "Top host operators" in markdown
