@@ -3,6 +3,7 @@
     python -m benchmarks.profile_step --config configs/gpu.yaml --attn tlx triton fa2 reference \
         --out benchmarks/results/profile_step_h200
     python -m benchmarks.profile_step --config configs/tiny.yaml --attn reference --steps 4 --warmup 3 --out /tmp/p
+    python -m benchmarks.profile_step idle /tmp/p.reference.trace.json.gz  # after a run with --trace
 
 Each backend trains `warmup` steps, then `steps` steps timed without torch.profiler (wall time and
 Lightning's SimpleProfiler host phases, as a user's run spends them), then `steps` more under
@@ -23,6 +24,7 @@ torch.profiler (CPU and CUDA activities) for what the device does, through train
 
 import argparse
 import bisect
+import gzip
 import json
 import re
 import shlex
@@ -252,6 +254,46 @@ def idle_gaps(intervals: list[tuple[float, float]], min_length: float) -> list[t
     return gaps
 
 
+# Chrome-trace event categories: the device's work, and the host's operators and runtime calls.
+TRACE_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+TRACE_HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime")
+
+
+def host_activity_while_idle(events: list[dict], depth: int = 2) -> dict[str, dict[str, float]]:
+    """From a chrome trace's events (--trace): for each host thread, the device's idle time (gaps of at
+    least IDLE_GAP_US, in the trace's µs) by what that thread ran meanwhile: its operators' chain,
+    outermost first, `depth` levels deep, or "(no operator)". Where the host is behind, the chains
+    that take the idle time are the host work on the step's path."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    gaps = idle_gaps([(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") in TRACE_DEVICE_CATEGORIES],
+                     IDLE_GAP_US)
+    threads = defaultdict(list)
+    for e in spans:
+        if e.get("cat") in TRACE_HOST_CATEGORIES:
+            threads[str(e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    activity = {}
+    for thread, ops in threads.items():
+        ops.sort(key=lambda op: (op[0], -op[1]))
+        shallow, open_ends = [], []  # a thread's operators nest: the open ones' ends give each one's level
+        for start, end, name in ops:
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            if len(open_ends) < depth:
+                shallow.append((start, end, name, len(open_ends)))
+            open_ends.append(end)
+        by_chain = defaultdict(float)
+        for gap_start, gap_end in gaps:
+            inside = sorted(((max(s, gap_start), min(e, gap_end), name, level) for s, e, name, level in shallow
+                             if s < gap_end and e > gap_start), key=lambda op: op[3])
+            cuts = sorted({gap_start, gap_end, *(op[0] for op in inside), *(op[1] for op in inside)})
+            for left, right in zip(cuts, cuts[1:]):
+                middle = (left + right) / 2
+                chain = " > ".join(name for s, e, name, _ in inside if s <= middle < e)
+                by_chain[chain or "(no operator)"] += right - left
+        activity[thread] = dict(by_chain)
+    return activity
+
+
 def launch_before(launches: list[tuple[float, object]], times: list[float]) -> list:
     """For each time, the last launch (start, event) that began at or before it, or None. The launch
     right before an idle gap's end is the one whose work ended the gap, its operators what the host
@@ -407,6 +449,13 @@ def render_markdown(reports: dict, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["idle"]:  # idle <out>.<backend>.trace.json.gz [depth]: what the host ran while the device idled
+        events = json.loads(gzip.decompress(Path(argv[1]).read_bytes()))["traceEvents"]
+        for thread, by_chain in host_activity_while_idle(events, int(argv[2]) if len(argv) > 2 else 2).items():
+            print(f"\n== host thread {thread}: {sum(by_chain.values()) / 1e3:.2f} ms of the device's idle time\n")
+            for chain, us in sorted(by_chain.items(), key=lambda kv: -kv[1])[:TOP]:
+                print(f"{us / 1e3:9.3f} ms  {chain[:300]}")
+        return 0
     if argv[:1] == ["report"]:  # re-render <out>.md from <out>.json, e.g. after a renderer change
         saved = json.loads(Path(argv[1]).read_text())
         for report in saved["reports"].values():

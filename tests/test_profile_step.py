@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_step import (SOURCE_DEPTH, SYNC_OPS, host_phases, idle_gaps, kernel_family, launch_before,
-                                    operator_chain, union_length)
+from benchmarks.profile_step import (SOURCE_DEPTH, SYNC_OPS, host_activity_while_idle, host_phases, idle_gaps,
+                                    kernel_family, launch_before, operator_chain, main, union_length)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,6 +64,39 @@ def test_launch_before_takes_the_last_launch_at_or_before_each_time():
     a, b = _Event("cudaGraphLaunch"), _Event("cudaLaunchKernel")
     assert launch_before([(5.0, b), (1.0, a)], [0.5, 1.0, 4.9, 7.0]) == [None, a, a, b]
     assert launch_before([], [3.0]) == [None]
+
+
+def _span(cat, name, ts, dur, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+IDLE_TRACE = [
+    # The device runs [0, 10), [30, 40), [100, 110): idle 10-30 and 40-100.
+    _span("kernel", "k1", 0, 10, tid=7), _span("gpu_memcpy", "copy", 30, 10, tid=7), _span("kernel", "k2", 100, 10, tid=7),
+    # Thread 1: A holds B (and B a launch, one level too deep to name), then C.
+    _span("cpu_op", "A", 5, 30), _span("cpu_op", "B", 12, 8), _span("cuda_runtime", "cudaLaunchKernel", 14, 2),
+    _span("cpu_op", "C", 40, 65),
+    _span("user_annotation", "D", 0, 200, tid=2),
+    {"ph": "i", "name": "instant", "ts": 50, "tid": 1},
+]
+
+
+def test_host_activity_while_idle_splits_each_gap_by_what_each_thread_ran():
+    activity = host_activity_while_idle(IDLE_TRACE, depth=2)
+    assert activity["1"] == {"A": 12, "A > B": 8, "C": 60}
+    assert activity["2"] == {"D": 80}
+    assert host_activity_while_idle(IDLE_TRACE, depth=1)["1"] == {"A": 20, "C": 60}
+    assert host_activity_while_idle(IDLE_TRACE, depth=3)["1"]["A > B > cudaLaunchKernel"] == 2
+    # Where a thread ran nothing, the gap still counts, as such.
+    assert host_activity_while_idle(IDLE_TRACE[:3] + [_span("cpu_op", "E", 45, 5)])["1"] == {"(no operator)": 75, "E": 5}
+
+
+def test_idle_command_prints_each_thread(tmp_path, capsys):
+    trace = tmp_path / "p.reference.trace.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": IDLE_TRACE}).encode()))
+    assert main(["idle", str(trace)]) == 0
+    printed = capsys.readouterr().out
+    assert "host thread 1: 0.08 ms" in printed and "A > B" in printed and "host thread 2" in printed
 
 
 def test_host_phases_take_the_closure_out_of_the_optimizer_step():
