@@ -450,6 +450,10 @@ def render_markdown(reports: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["idle"]:  # idle <out>.<backend>.trace.json.gz [depth]: what the host ran while the device idled
+        if len(argv) not in (2, 3) or (len(argv) == 3 and not argv[2].isdigit()):
+            print("usage: python -m benchmarks.profile_step idle <trace.json.gz from --trace> [depth, default 2]",
+                  file=sys.stderr)
+            return 2
         events = json.loads(gzip.decompress(Path(argv[1]).read_bytes()))["traceEvents"]
         for thread, by_chain in host_activity_while_idle(events, int(argv[2]) if len(argv) > 2 else 2).items():
             print(f"\n== host thread {thread}: {sum(by_chain.values()) / 1e3:.2f} ms of the device's idle time\n")

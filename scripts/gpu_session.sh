@@ -48,7 +48,8 @@ for s in "$@"; do
     parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ${PARITY_K:+-k "$PARITY_K"} ;;
     smoke) step smoke_${SMOKE_ATTN:-tlx} 300 python3 train.py "${GPU_DATA[@]}" --attn=${SMOKE_ATTN:-tlx} --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_$GPU" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
-    # PROFILE_ATTN (default every backend but flex) and PROFILE_ARGS (train.py options) as profile_vs_base takes them.
+    # PROFILE_ATTN (default every backend but flex) and PROFILE_ARGS (profile_step's options, e.g. --trace, and
+    # train.py's, which it passes on) as profile_vs_base takes them.
     profile) step profile 530 "${PROFILE_STEP[@]}" --attn ${PROFILE_ATTN:-tlx triton fa2 reference} ${PROFILE_ARGS:-} \
       --out "$OUT/profile_step_$GPU" ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.

@@ -97,6 +97,8 @@ def test_idle_command_prints_each_thread(tmp_path, capsys):
     assert main(["idle", str(trace)]) == 0
     printed = capsys.readouterr().out
     assert "host thread 1: 0.08 ms" in printed and "A > B" in printed and "host thread 2" in printed
+    assert main(["idle"]) == main(["idle", str(trace), "deep"]) == 2
+    assert "usage: python -m benchmarks.profile_step idle" in capsys.readouterr().err
 
 
 def test_host_phases_take_the_closure_out_of_the_optimizer_step():
