@@ -50,8 +50,12 @@ for s in "$@"; do
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_$GPU" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
     # PROFILE_ATTN (default every backend but flex) and PROFILE_ARGS (profile_step's options, e.g. --trace, and
     # train.py's, which it passes on) as profile_vs_base takes them.
+    # With --trace, each backend's timeline is read here too (profile_step idle), in case it is too large to come back.
     profile) step profile 530 "${PROFILE_STEP[@]}" --attn ${PROFILE_ATTN:-tlx triton fa2 reference} ${PROFILE_ARGS:-} \
-      --out "$OUT/profile_step_$GPU" ;;
+      --out "$OUT/profile_step_$GPU"
+      for trace in "$OUT"/profile_step_$GPU.*.trace.json.gz; do
+        [[ -f $trace ]] && python3 -m benchmarks.profile_step idle "$trace" 3 > "${trace%.trace.json.gz}.idle.txt" 2>&1
+      done ;;
     # The fused MLP sublayer against today's unfused one (eager and compiled), at the gpu config's token count.
     # (Variant rows were all slower than the defaults: the tiles plans, tile sizes and stages in
     # mlp_sublayer_h200.md, the GEMMs as persistent programs in mlp_sublayer_h100.md, the hidden-gradient GEMM
