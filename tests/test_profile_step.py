@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.profile_step import (SOURCE_DEPTH, SYNC_OPS, host_activity_while_idle, host_phases, idle_gaps,
-                                    kernel_family, launch_before, operator_chain, main, union_length)
+                                    kernel_family, launch_before, main, operator_chain, union_length)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_operator_chain_names_the_enclosing_operators_innermost_first():
     outer = _Event("autograd::engine::evaluate_function: EmbeddingBackward0")
     wait = _Event("cudaStreamSynchronize", _Event("aten::_local_scalar_dense", _Event("aten::item", outer)))
     assert operator_chain(wait) == ("cudaStreamSynchronize < aten::_local_scalar_dense < aten::item"
-                                 " < autograd::engine::evaluate_function: EmbeddingBackward0")
+                                    " < autograd::engine::evaluate_function: EmbeddingBackward0")
     deep = _Event("leaf")
     for _ in range(9):
         deep = _Event("leaf", deep)
