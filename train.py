@@ -58,6 +58,7 @@ from models import memory
 from training.callbacks import (
     BestCheckpoint, CheckpointConfig, LastCheckpoint, RunProgressBar, StepMetrics, continue_metrics,
 )
+from training.graphed_optimizer import CUDAGraphAdamW
 from training.pipeline import PipelinedTrainingStep
 from training.precision import kernel_dtype
 from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
@@ -78,6 +79,11 @@ class OptimConfig:
             multi-tensor AdamW issues a dozen launches and a host loop over the parameters each step.
             None = fused when every parameter is on a GPU and the precision is not "16-mixed" (whose
             gradient scaler must unscale before clipping, which a fused AdamW does inside its step).
+        cuda_graph: the gradient clipping and the fused AdamW update replayed from one CUDA graph
+            (training/graphed_optimizer.py) from the second step on: one launch of host time a step
+            instead of milliseconds. Gradients are then zeroed in place, never freed, and the learning
+            rate reaches the update as a float32. Needs a CUDA device, a precision other than
+            "16-mixed", fused not False, and the plain strategy (not torchrec's).
     """
 
     lr: float = 1e-3
@@ -85,6 +91,22 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     fused: bool | None = None
+    cuda_graph: bool = False
+
+
+def optimizer_config_error(optim: OptimConfig, trainer: L.Trainer) -> str | None:
+    """Why this optimizer config cannot train on this trainer, or None."""
+    if not optim.cuda_graph:
+        return None
+    problems = {
+        "the device is not a CUDA GPU": trainer.strategy.root_device.type != "cuda",
+        "trainer.precision is 16-mixed, whose gradient scaler unscales on the host": str(trainer.precision) == "16-mixed",
+        "model.optim.fused is false: the graph captures the fused update": optim.fused is False,
+        "trainer.strategy is torchrec, whose pipelined step drives the optimizer itself": isinstance(
+            trainer.strategy, TorchrecStrategy),
+    }
+    reasons = [reason for reason, applies in problems.items() if applies]
+    return f"model.optim.cuda_graph=true cannot train here: {'; '.join(reasons)}" if reasons else None
 
 
 class RankingTask(L.LightningModule):
@@ -255,6 +277,9 @@ class RankingTask(L.LightningModule):
         own clipping refuses any fused optimizer under mixed precision, although only fp16's scaled
         gradients need the optimizer to unscale first."""
         plugin = self.trainer.precision_plugin
+        if gradient_clip_val and isinstance(optimizer, CUDAGraphAdamW):  # clipped inside its (graphed) step
+            optimizer.clip_gradients(GradClipAlgorithmType(gradient_clip_algorithm or "norm").value, gradient_clip_val)
+            return
         if not gradient_clip_val or getattr(plugin, "scaler", None) is not None:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         # Lightning's clipping itself (by norm or value, over the optimizer's parameters), minus the
@@ -271,13 +296,16 @@ class RankingTask(L.LightningModule):
             is_matrix = parameter.dim() >= 2 and id(parameter) not in embedding_ids
             (decay if is_matrix else no_decay).append(parameter)
         optim = self.optim_config
-        fused = optim.fused
-        if fused is None:
-            fused = all(p.is_cuda for p in decay + no_decay) and str(self.trainer.precision) != "16-mixed"
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=optim.lr, fused=fused,
-        )
+        groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if optim.cuda_graph:
+            if (error := optimizer_config_error(optim, self.trainer)) is not None:
+                raise MisconfigurationException(error)
+            optimizer = CUDAGraphAdamW(groups, lr=optim.lr)
+        else:
+            fused = optim.fused
+            if fused is None:
+                fused = all(p.is_cuda for p in decay + no_decay) and str(self.trainer.precision) != "16-mixed"
+            optimizer = torch.optim.AdamW(groups, lr=optim.lr, fused=fused)
         total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup, floor = optim.warmup_steps, optim.min_lr_ratio
 
@@ -442,6 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     except kernels.BackendUnavailableError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    if (error := optimizer_config_error(task.optim_config, trainer)) is not None:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         check_training_memory(task.net, datamodule.batch_size, trainer, cli.config)
     except ValueError as error:

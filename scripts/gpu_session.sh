@@ -3,7 +3,7 @@
 # $OUT/<step>.log and printing a short summary last (the reply carries the tail). Run from the repo
 # root after scripts/gpu_install.sh (PYTHONPATH=/tmp/site:/tmp/site0):
 #     bash scripts/gpu_session.sh env parity smoke
-# Steps: env, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, attention_bench, profile_mlp, profile_attention, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
+# Steps: env, graphed_optimizer, parity, smoke (SMOKE_ATTN, default tlx), bench, mlp_bench, mlp_gelu, mlp_gelu_parity, profile_mlp_gelu, attention_bench, profile_mlp, profile_attention, profile_cuda_graph, profile_attention_blocks, profile_deterministic, profile, profile_sharded, trace_reads, profile_eager, sharding_cuda, compare_start,
 # compare_wait, sharded, quality_start, history_start, quality_wait, host_c_cache, parity_c_cache, profile_c_path,
 # profile_eager_c_path, profile_vs_base.
 # compare_start starts (or resumes) the comparison, longer than one call may run, in its own process
@@ -45,6 +45,8 @@ step() {  # name, seconds, command...
 for s in "$@"; do
   case $s in
     env) step env 120 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv; python3 -c "import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__, triton.__file__); import triton.language.extra.tlx; print(\"tlx ok\")"; python3 -c "import torchrec, datasets, lightning, jsonargparse, fbgemm_gpu; print(\"torchrec\", torchrec.__version__, \"datasets\", datasets.__version__, \"lightning\", lightning.__version__, \"fbgemm_gpu\", fbgemm_gpu.__file__)"' ;;
+    # CUDAGraphAdamW's real graphs on the GPU (beside an eager model and one in torch.compile's CUDA graphs).
+    graphed_optimizer) step graphed_optimizer 300 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_graphed_optimizer.py ;;
     parity) step parity 420 python3 -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu_parity.py ${PARITY_K:+-k "$PARITY_K"} ;;
     smoke) step smoke_${SMOKE_ATTN:-tlx} 300 python3 train.py "${GPU_DATA[@]}" --attn=${SMOKE_ATTN:-tlx} --data.num_train=65536 --data.num_val=8192 --trainer.max_steps=30 --trainer.val_check_interval=30 --run_name=smoke --runs_dir=/tmp/runs ;;
     bench) step bench 590 python3 -m benchmarks.bench_attention --out "$OUT/attention_$GPU" --graph --impls fa2,triton,tlx --shapes full,jagged ;;
@@ -94,10 +96,15 @@ for s in "$@"; do
       done; done ;;
     parity_c_cache) step parity_c_cache 420 env $(c_path 1) python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/test_gpu_parity.py -k "${PARITY_K:-not blocks_plan}" ;;
-    # The step with and without one fused sublayer (model.net.fused_mlp, model.net.fused_attention), back to back on one machine.
-    profile_mlp|profile_attention) switch=fused_${s#profile_}; for fused in true false; do
-        step profile_${switch}_$fused 450 "${PROFILE_STEP[@]}" --attn ${PROFILE_ATTN:-tlx triton} --model.net.$switch=$fused \
-          --out "$OUT/profile_step_${switch}_${fused}_$GPU"
+    # The step with a switch on and off, back to back on one machine: one fused sublayer (model.net.fused_mlp,
+    # model.net.fused_attention; PROFILE_ATTN default tlx triton), or the optimizer's CUDA graph
+    # (model.optim.cuda_graph; default tlx). PROFILE_ARGS as the profile step takes them.
+    profile_mlp|profile_attention|profile_cuda_graph)
+      case $s in profile_cuda_graph) key=model.optim.cuda_graph attn=tlx ;; *) key=model.net.fused_${s#profile_} attn="tlx triton" ;; esac
+      switch=${key##*.}
+      for value in true false; do
+        step profile_${switch}_$value 450 "${PROFILE_STEP[@]}" --attn ${PROFILE_ATTN:-$attn} --$key=$value ${PROFILE_ARGS:-} \
+          --out "$OUT/profile_step_${switch}_${value}_$GPU"
       done ;;
     # The step with the fused attention sublayer's per-block plan (the triton and tlx backends'), beside profile_attention's runs.
     profile_attention_blocks) step profile_attention_blocks 450 "${PROFILE_STEP[@]}" --attn tlx triton --model.net.fused_attention=true \

@@ -59,6 +59,10 @@ CASES = {
         "block_attention backend 'triton' does not support head_dim 16 (the Triton kernels take 32, 64, 128), as "
         "this model (model.net.d_model=32, num_heads=2) under trainer.precision=32-true would call it",
     ),
+    "optimizer CUDA graph without a GPU": (
+        TRAIN + ["--model.optim.cuda_graph=true"],
+        "model.optim.cuda_graph=true cannot train here: the device is not a CUDA GPU",
+    ),
     "unknown sharding type": (
         TRAIN + ["--sharding.sharding_type=diagonal"],
         "'table_wise', 'row_wise', 'column_wise', 'data_parallel']. Got value: diagonal",
