@@ -81,9 +81,9 @@ class OptimConfig:
             gradient scaler must unscale before clipping, which a fused AdamW does inside its step).
         cuda_graph: the gradient clipping and the fused AdamW update replayed from one CUDA graph
             (training/graphed_optimizer.py) from the second step on: one launch of host time a step
-            instead of milliseconds. Gradients are then zeroed in place, never freed, and the learning
-            rate reaches the update as a float32. Needs a CUDA device, a precision other than
-            "16-mixed", fused not False, and the plain strategy (not torchrec's).
+            instead of milliseconds; the learning rate reaches the update as a float32. Needs a CUDA
+            device, a precision other than "16-mixed", fused not False, and the plain strategy (not
+            torchrec's).
     """
 
     lr: float = 1e-3

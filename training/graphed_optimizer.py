@@ -3,18 +3,19 @@
 Eagerly, clipping and the fused AdamW update cost the training step milliseconds of host time a step
 (Python over every parameter, a launch per tensor group), time the device spends idle where the step
 is host-bound (benchmarks/results/profile_step_idle_gaps_h100.md). Captured once, they cost one graph
-launch. A graph replays the kernels it captured on the memory it captured them on, so this optimizer
-keeps everything the update reads where it was:
+launch. A graph replays the kernels it captured on the memory it captured them on, so what the update
+reads is kept where the graph found it:
 
-- the gradients: zero_grad zeroes them in place instead of freeing them, and backward accumulates
-  into them; the first step copies gradients that backward handed over (possibly memory of the
-  compiled model's own CUDA graphs) into memory of their own;
+- the gradients: the graph reads its own copy of them, refreshed by one copy launch before each replay,
+  so backward keeps handing gradients over as it does for torch's AdamW (zero_grad frees them, no
+  launch adds into them). After a step each parameter's .grad is that copy, clipped, as torch's
+  optimizers leave it;
 - the learning rate: each group's rate stays the float that LR schedulers, checkpoints and loggers
   see, and the update reads it from a float32 device tensor filled from that float before every step,
   eager or replayed (so both give the same numbers);
-- the state (AdamW's moments and step counts) and the clipping setting: when anything the graph read
-  has been replaced (load_state_dict, a gradient set anew, another clipping value), the step runs
-  eagerly and captures again.
+- the state (AdamW's moments and step counts), the clipping setting and which parameters have a
+  gradient: when any of them changes (load_state_dict, another clipping value, a parameter left
+  without a gradient), the step captures again.
 """
 
 import inspect
@@ -44,7 +45,8 @@ def on_graph_device(tensor: torch.Tensor) -> bool:
 
 class CUDAGraphAdamW(torch.optim.AdamW):
     """torch.optim.AdamW (fused) whose clipping and update run eagerly on the first step, which creates
-    the state, and replay from a CUDA graph from the second step on.
+    the state (made during a capture, it would be zeroed at every replay), and replay from a CUDA graph
+    from the second step on.
 
     Clipping is asked for step by step with clip_gradients (train.py's configure_gradient_clipping
     does, for trainer.gradient_clip_val), by norm or by value over every parameter, as Lightning's own
@@ -55,9 +57,9 @@ class CUDAGraphAdamW(torch.optim.AdamW):
         super().__init__(params, fused=True, capturable=True, **adamw_options)
         self._clipping: Clipping = None  # asked for the coming step
         self._device_lrs: list[torch.Tensor] | None = None
+        self._graph_grads: list[torch.Tensor] = []  # the graph's copies of the gradients
         self._replay: Callable[[], None] | None = None
-        self._captured: tuple | None = None  # what the graph read, compared before every replay
-        self._owned_grads: list[torch.Tensor | None] | None = None  # the gradients as the last eager step left them
+        self._captured: tuple | None = None  # what the graph was captured for, compared before every replay
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads the state; the groups stay fused and capturable whatever optimizer saved them (a
@@ -73,12 +75,6 @@ class CUDAGraphAdamW(torch.optim.AdamW):
             raise ValueError(f"gradient clipping algorithm {algorithm!r}: expected 'norm' or 'value'")
         self._clipping = (algorithm, float(value))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes every gradient in place, whatever set_to_none says: the graph reads them where they are."""
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_zero_(grads)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -86,32 +82,36 @@ class CUDAGraphAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()  # under Lightning: forward, backward, and clip_gradients for this step
         clipping, self._clipping = self._clipping, None
-        params = [p for group in self.param_groups for p in group["params"]]
+        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if self._device_lrs is None:
-            device = next((p.device for p in params if p.grad is not None), params[0].device)
+            device = (with_grad or self.param_groups[0]["params"])[0].device
             self._device_lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in self.param_groups]
         for device_lr, group in zip(self._device_lrs, self.param_groups):
             device_lr.fill_(group["lr"])
-        update = partial(self._update_from_device_lrs, clipping)
-        read = self._graph_inputs(params, clipping)
-        if self._replay is not None and self._same_inputs(read):
+        settings = self._graph_settings(with_grad, clipping)
+        if self._replay is not None and self._same_settings(settings):
+            torch._foreach_copy_(self._graph_grads, [p.grad for p in with_grad])
             self._replay()
-        elif self._can_capture(params):
-            self._replay, self._captured = capture_cuda_graph(update), read
+        elif with_grad and all(on_graph_device(p.grad) and "step" in self.state.get(p, {}) for p in with_grad):
+            self._graph_grads = [p.grad.clone() for p in with_grad]
+            self._replay = capture_cuda_graph(partial(self._update, with_grad, self._graph_grads, clipping))
+            self._captured = settings
             self._replay()  # capturing ran nothing: this step's update
         else:
             self._replay = self._captured = None
-            update()
-            for p in params:  # memory of their own, where the next backward accumulates
-                if p.grad is not None:
-                    p.grad = p.grad.clone()
-            self._owned_grads = [p.grad for p in params]
+            self._update(with_grad, [p.grad for p in with_grad], clipping)
+        if self._replay is not None:
+            for p, grad in zip(with_grad, self._graph_grads):
+                p.grad = grad
         return loss
 
-    def _update_from_device_lrs(self, clipping: Clipping) -> None:
-        params = [p for group in self.param_groups for p in group["params"]]
+    def _update(self, with_grad: list[torch.Tensor], grads: list[torch.Tensor], clipping: Clipping) -> None:
+        """Clipping and AdamW's update of the parameters with_grad, from grads and the device rates."""
+        for p, grad in zip(with_grad, grads):
+            p.grad = grad
         if clipping is not None:
             algorithm, value = clipping
+            params = [p for group in self.param_groups for p in group["params"]]
             if algorithm == "norm":
                 torch.nn.utils.clip_grad_norm_(params, value)
             else:
@@ -127,23 +127,15 @@ class CUDAGraphAdamW(torch.optim.AdamW):
             for group, rate in zip(self.param_groups, rates):
                 group["lr"] = rate
 
-    def _graph_inputs(self, params: list[torch.Tensor], clipping: Clipping) -> tuple:
-        # Objects, compared by identity, and values baked into the kernels' arguments.
-        settings = tuple(tuple((key, value) for key, value in group.items() if key not in ("params", "lr"))
-                         for group in self.param_groups)
-        return (self.state, [p.grad for p in params], clipping, settings)
+    def _graph_settings(self, with_grad: list[torch.Tensor], clipping: Clipping) -> tuple:
+        # Values baked into the kernels' arguments, and objects compared by identity.
+        groups = tuple(tuple((key, value) for key, value in group.items() if key not in ("params", "lr"))
+                       for group in self.param_groups)
+        return self.state, with_grad, clipping, groups
 
-    def _same_inputs(self, read: tuple) -> bool:
-        state, grads, clipping, settings = read
-        captured_state, captured_grads, captured_clipping, captured_settings = self._captured
-        return (state is captured_state and clipping == captured_clipping and settings == captured_settings
-                and len(grads) == len(captured_grads) and all(g is c for g, c in zip(grads, captured_grads)))
-
-    def _can_capture(self, params: list[torch.Tensor]) -> bool:
-        """Once an eager step has made the state (made during a capture, it would be zeroed at every
-        replay) and given the gradients memory of their own, every gradient on a CUDA device."""
-        grads = [p.grad for p in params]
-        with_grad = [p for p in params if p.grad is not None]
-        return (bool(with_grad) and all(on_graph_device(p.grad) and "step" in self.state.get(p, {}) for p in with_grad)
-                and self._owned_grads is not None and len(grads) == len(self._owned_grads)
-                and all(g is owned for g, owned in zip(grads, self._owned_grads)))
+    def _same_settings(self, settings: tuple) -> bool:
+        state, with_grad, clipping, groups = settings
+        captured_state, captured_with_grad, captured_clipping, captured_groups = self._captured
+        return (state is captured_state and clipping == captured_clipping and groups == captured_groups
+                and len(with_grad) == len(captured_with_grad)
+                and all(p is q for p, q in zip(with_grad, captured_with_grad)))
