@@ -145,12 +145,13 @@ for s in "$@"; do
     compare_start)  # a comparison cut short in an earlier session: carry its compare_runs.tgz (from compare_wait) as
       # .gpu/compare_runs.tgz and the comparison reuses its finished runs, training only the rest
       [[ -f .gpu/compare_runs.tgz && ! -d /tmp/compare ]] && tar xzf .gpu/compare_runs.tgz -C /tmp
+      # COMPARE_STEPS and COMPARE_SEEDS (default 1000 and 3) size each group.
       # COMPARE_VARIANTS: the variant groups (default tlx with the layers' MLP unfused, against configs/gpu.yaml's fused one);
       # 5 groups x 3 seeds took 21 minutes of an H100 (2026-12-07, flex the slowest, cold compiles included), so a
       # session's device time holds 5 groups, not 6, and only as its first calls. One validation, at the end.
       variants=${COMPARE_VARIANTS-"--variant tlx_unfused_mlp tlx model.net.fused_mlp=false"}
       setsid nohup python3 train.py compare --attn ${COMPARE_ATTN:-tlx triton fa2 flex} $variants \
-        "${GPU_DATA[@]}" --steps 1000 --seeds 3 --out /tmp/compare --data.num_val=16384 --trainer.val_check_interval=1000 > /tmp/compare.log 2>&1 < /dev/null &
+        "${GPU_DATA[@]}" --steps ${COMPARE_STEPS:-1000} --seeds ${COMPARE_SEEDS:-3} --out /tmp/compare --data.num_val=16384 --trainer.val_check_interval=1000 > /tmp/compare.log 2>&1 < /dev/null &
       summary+=("compare_start: started, log /tmp/compare.log") ;;
     compare_wait) for _ in $(seq $(( ${COMPARE_WAIT_S:-570} / 5 ))); do pgrep -f "train.py compare" > /dev/null || break; sleep 5; done
       cp /tmp/compare.log "$OUT"/compare.log; cp /tmp/compare/compare.md /tmp/compare/compare.json /tmp/compare/loss_curves.png "$OUT"/ 2>/dev/null
