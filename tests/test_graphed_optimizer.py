@@ -193,6 +193,19 @@ def test_a_checkpoint_of_torchs_adamw_loads_and_stays_capturable():
     optimizer.step()  # fused and foreach together would refuse
 
 
+def test_a_failed_capture_says_what_failed_and_how_to_train_without_it(captures, monkeypatch):
+    def fail(update):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed_optimizer, "capture_cuda_graph", fail)
+    model = make_model()
+    optimizer = CUDAGraphAdamW(parameter_groups(model), lr=0.01)
+    train(model, optimizer, range(1), None, graphed=True)
+    with pytest.raises(RuntimeError, match=r"could not capture .*\(operation not permitted when stream is capturing\); "
+                                           r"train.py's model.optim.cuda_graph=false steps eagerly"):
+        train(model, optimizer, range(1, 2), None, graphed=True)
+
+
 def test_rejects_an_unknown_clipping_algorithm():
     optimizer = CUDAGraphAdamW(make_model().parameters(), lr=0.01)
     with pytest.raises(ValueError, match="'l1': expected 'norm' or 'value'"):

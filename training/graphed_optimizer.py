@@ -94,7 +94,11 @@ class CUDAGraphAdamW(torch.optim.AdamW):
             self._replay()
         elif with_grad and all(on_graph_device(p.grad) and "step" in self.state.get(p, {}) for p in with_grad):
             self._graph_grads = [p.grad.clone() for p in with_grad]
-            self._replay = capture_cuda_graph(partial(self._update, with_grad, self._graph_grads, clipping))
+            try:
+                self._replay = capture_cuda_graph(partial(self._update, with_grad, self._graph_grads, clipping))
+            except RuntimeError as error:
+                raise RuntimeError(f"CUDAGraphAdamW could not capture the clipping and AdamW update into a CUDA "
+                                   f"graph ({error}); train.py's model.optim.cuda_graph=false steps eagerly") from error
             self._captured = settings
             self._replay()  # capturing ran nothing: this step's update
         else:
