@@ -1,9 +1,10 @@
 """training/graphed_optimizer.py: CUDAGraphAdamW against torch's fused AdamW with Lightning's clipping.
 
 A CUDA graph cannot be captured on the CPU, so these tests stand a re-run of the captured function in for
-its replay (the function swaps the device learning rates in and clips, as the graph's kernels would
-read them): what they check is when the optimizer captures, replays and captures again, and that every
-path gives the numbers of torch's AdamW. tests/test_gpu_parity.py replays real graphs on a GPU.
+its replay (the function puts the graph's gradient copies and device learning rates in place before it
+clips and updates, so it reads what the graph's kernels would): what they check is when the optimizer
+captures, replays and captures again, and that every path gives the numbers of torch's AdamW. The last
+test, marked gpu, replays real graphs on a GPU (scripts/gpu_session.sh graphed_optimizer).
 """
 
 import pytest
