@@ -221,12 +221,14 @@ def test_real_cuda_graph_replays_give_adamw_numbers(monkeypatch, compiled):
     reduce-overhead) hand backward's gradients over in their memory pool."""
     captures = []
     real_capture = graphed_optimizer.capture_cuda_graph
-    monkeypatch.setattr(graphed_optimizer, "capture_cuda_graph", lambda update: captures.append(1) or real_capture(update))
+    monkeypatch.setattr(graphed_optimizer, "capture_cuda_graph",
+                        lambda update: captures.append(1) or real_capture(update))
     model, reference = make_model(device="cuda"), make_model(device="cuda")
-    compile = (lambda m: torch.compile(m, mode="reduce-overhead")) if compiled else (lambda m: None)
+    graphed_forward = (lambda m: torch.compile(m, mode="reduce-overhead")) if compiled else (lambda m: None)
     optimizer = CUDAGraphAdamW(parameter_groups(model), lr=0.01)
-    train(model, optimizer, range(8), ("norm", 0.5), graphed=True, forward=compile(model))
+    train(model, optimizer, range(8), ("norm", 0.5), graphed=True, forward=graphed_forward(model))
     reference_adamw, lrs = reference_optimizer(reference)
-    train(reference, reference_adamw, range(8), ("norm", 0.5), graphed=False, reference_lrs=lrs, forward=compile(reference))
+    train(reference, reference_adamw, range(8), ("norm", 0.5), graphed=False, reference_lrs=lrs,
+          forward=graphed_forward(reference))
     assert len(captures) == 1
     assert_same_parameters(model, reference)
