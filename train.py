@@ -100,7 +100,8 @@ def optimizer_config_error(optim: OptimConfig, trainer: L.Trainer) -> str | None
         return None
     problems = {
         "the device is not a CUDA GPU": trainer.strategy.root_device.type != "cuda",
-        "trainer.precision is 16-mixed, whose gradient scaler unscales on the host": str(trainer.precision) == "16-mixed",
+        "trainer.precision is 16-mixed, whose gradient scaler unscales on the host":
+            str(trainer.precision) == "16-mixed",
         "model.optim.fused is false: the graph captures the fused update": optim.fused is False,
         "trainer.strategy is torchrec, whose pipelined step drives the optimizer itself": isinstance(
             trainer.strategy, TorchrecStrategy),

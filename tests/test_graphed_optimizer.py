@@ -106,7 +106,8 @@ def test_captures_once_then_replays_with_adamw_numbers(captures, clipping):
     reference_adamw, lrs = reference_optimizer(reference)
     train(reference, reference_adamw, range(6), clipping, graphed=False, reference_lrs=lrs)
     assert_same_parameters(model, reference)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 7)  # the next step's, a float as schedulers and loggers see it
+    # The next step's rate, a float, as schedulers and loggers see it.
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 7)
     assert isinstance(optimizer.param_groups[0]["lr"], float)
 
 
