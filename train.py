@@ -278,14 +278,14 @@ class RankingTask(L.LightningModule):
         own clipping refuses any fused optimizer under mixed precision, although only fp16's scaled
         gradients need the optimizer to unscale first."""
         plugin = self.trainer.precision_plugin
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")  # Lightning's default, as it sets it
         if gradient_clip_val and isinstance(optimizer, CUDAGraphAdamW):  # clipped inside its (graphed) step
-            optimizer.clip_gradients(GradClipAlgorithmType(gradient_clip_algorithm or "norm").value, gradient_clip_val)
+            optimizer.clip_gradients(algorithm.value, gradient_clip_val)
             return
         if not gradient_clip_val or getattr(plugin, "scaler", None) is not None:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         # Lightning's clipping itself (by norm or value, over the optimizer's parameters), minus the
         # mixed-precision plugin's refusal.
-        algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")  # Lightning's default, as it sets it
         Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
 
     def configure_optimizers(self):
