@@ -88,10 +88,12 @@ class ArrowBatchCollator:
         sparse_values = [_owned_tensor(rows.column(name), np.int64) for name in categorical_names]
         # length_per_key/offset_per_key given here, on the host: torchrec would otherwise compute
         # them from the lengths on the device, a host read inside every training step.
+        # Lengths are int64 like the ids: the offsets torchrec derives from them take their dtype, and
+        # embedding_bag converts offsets unlike its ids on the device, one launch per table and step.
         sparse = KeyedJaggedTensor(
             keys=categorical_names,
             values=torch.cat(sparse_values) if sparse_values else torch.empty(0, dtype=torch.int64),
-            lengths=torch.ones(len(categorical_names) * batch_size, dtype=torch.int32),
+            lengths=torch.ones(len(categorical_names) * batch_size, dtype=torch.int64),
             stride=batch_size,
             length_per_key=[batch_size] * len(categorical_names),
             offset_per_key=[batch_size * i for i in range(len(categorical_names) + 1)],
@@ -103,17 +105,17 @@ class ArrowBatchCollator:
             lists = rows.column(name).combine_chunks()
             # flatten() honours slicing offsets, unlike .values
             sequence_values.append(_owned_tensor(lists.flatten(), np.int64))
-            sequence_lengths.append(_owned_tensor(pc.list_value_length(lists), np.int32))
+            sequence_lengths.append(_owned_tensor(pc.list_value_length(lists), np.int64))
         items_per_key = [len(values) for values in sequence_values]
         sequence = KeyedJaggedTensor(
             keys=sequence_names,
             values=torch.cat(sequence_values) if sequence_values else torch.empty(0, dtype=torch.int64),
-            lengths=torch.cat(sequence_lengths) if sequence_lengths else torch.empty(0, dtype=torch.int32),
+            lengths=torch.cat(sequence_lengths) if sequence_lengths else torch.empty(0, dtype=torch.int64),
             stride=batch_size,
             length_per_key=items_per_key,
             offset_per_key=np.concatenate([[0], np.cumsum(items_per_key, dtype=np.int64)]).tolist(),
         )
-        history_lengths = sum((lengths.numpy().astype(np.int64) for lengths in sequence_lengths),
+        history_lengths = sum((lengths.numpy() for lengths in sequence_lengths),
                               np.zeros(batch_size, dtype=np.int64))
 
         labels = _owned_tensor(rows.column(LABEL), np.float32)

@@ -104,7 +104,7 @@ def test_collate_builds_the_contract_batch(small_data):
     assert batch.labels.dtype == torch.float32 and batch.labels.shape == (5,)
 
     assert batch.sparse.keys() == [name for name, _ in schema.categorical]
-    assert torch.equal(batch.sparse.lengths(), torch.ones(5 * len(schema.categorical), dtype=torch.int32))
+    assert torch.equal(batch.sparse.lengths(), torch.ones(5 * len(schema.categorical), dtype=torch.int64))
     assert batch.sparse.values().dtype == torch.int64
     np.testing.assert_array_equal(batch.sparse["item"].values().numpy(), rows.column("item").to_numpy())
 

@@ -1,14 +1,15 @@
 import dataclasses
 import os
 
+import pyarrow as pa
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import KeyedJaggedTensor
 
-from data.batch import Batch
-from data.schema import FeatureSchema
+from data.batch import ArrowBatchCollator, Batch
+from data.schema import LABEL, FeatureSchema
 from models import RankingModel, RankingModelConfig
 
 SCHEMA = FeatureSchema(
@@ -179,10 +180,11 @@ def test_gradients_reach_every_parameter(model):
 class RecordOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.namespaces = set()
+        self.namespaces, self.ops = set(), []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.namespaces.add(func.namespace)
+        self.ops.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -195,6 +197,20 @@ def test_forward_and_backward_need_no_fbgemm_ops(model):
         model.loss(logits, batch.labels).backward()
     assert "aten" in recorded.namespaces  # the recorder saw the ops
     assert "fbgemm" not in recorded.namespaces
+
+
+def test_collated_batch_is_looked_up_without_dtype_conversions(model):
+    # Each conversion is one more launch and allocation of the eager lookups in every step, on the
+    # host's critical path when the tower replays from CUDA graphs.
+    rows = pa.table({
+        "d0": [0.5, 1.0, 2.0], "d1": [0.0, 1.0, 0.0], "d2": [3.0, 0.0, 1.0], "user": [1, 10, 4], "ad": [0, 12, 7],
+        "clicks": [[], [3, 16, 2], [5]], "views": [[1, 18], [], [0, 0, 4]], LABEL: [1.0, 0.0, 1.0],
+    })
+    batch = ArrowBatchCollator(SCHEMA)(rows)
+    with RecordOps() as recorded:
+        model.embed(batch)
+    assert "embedding_bag" in recorded.ops or "_embedding_bag" in recorded.ops  # the recorder saw the lookups
+    assert "_to_copy" not in recorded.ops
 
 
 def test_schema_without_sequences():
