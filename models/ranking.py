@@ -30,6 +30,7 @@ from torchrec import (
     EmbeddingCollection,
     EmbeddingConfig,
     KeyedJaggedTensor,
+    KeyedTensor,
     PoolingType,
 )
 
@@ -470,6 +471,18 @@ class DenseTower(nn.Module):
         return x.new_zeros(batch_size, d).index_add(0, sample, weights[:, None] * x) / total[:, None]
 
 
+def fields_in_order(pooled: KeyedTensor, names: list[str], embedding_dim: int) -> torch.Tensor:
+    """A collection's pooled embeddings as [B, len(names), embedding_dim], features in `names`' order."""
+    # torchrec's train pipeline fx-traces forward, where a sharded collection's output is a Proxy without keys.
+    if not isinstance(pooled, torch.fx.Proxy) and pooled.keys() == names:
+        # The unsharded collection's order: its values are that tensor already, and a view costs
+        # the eager step no copy, no split and no launch.
+        values = pooled.values()
+        return values.view(values.shape[0], len(names), embedding_dim)
+    # By feature name: a sharded collection (models/sharding/) returns its features grouped by shard.
+    return torch.stack([pooled[name] for name in names], dim=1)
+
+
 class RankingModel(nn.Module):
     def __init__(self, schema: FeatureSchema, config: RankingModelConfig):
         super().__init__()
@@ -529,17 +542,20 @@ class RankingModel(nn.Module):
         fields = []
         if self.categorical_names:
             pooled = self.categorical_embeddings(self._check_keys(batch.sparse, self.categorical_names, "sparse"))
-            # By feature name: a sharded collection (models/sharding/) returns its features grouped
-            # by shard, not in table order.
-            fields += [pooled[name] for name in self.categorical_names]
+            fields.append(fields_in_order(pooled, self.categorical_names, e))
         if self.pooled_history:
             pooled = self.sequence_embeddings(self._check_keys(batch.sequence, self.sequence_names, "sequence"))
-            fields += [pooled[name] for name in self.sequence_names]
-        categorical = torch.stack(fields, dim=1) if fields else dense.new_zeros(batch_size, 0, e)
+            fields.append(fields_in_order(pooled, self.sequence_names, e))
+        if not fields:
+            categorical = dense.new_zeros(batch_size, 0, e)
+        else:
+            categorical = fields[0] if len(fields) == 1 else torch.cat(fields, dim=1)
         if self.sequence_names and not self.pooled_history:
             jagged = self.sequence_embeddings(self._check_keys(batch.sequence, self.sequence_names, "sequence"))
             item_rows = [jagged[name].values() for name in self.sequence_names]
-            history_lengths = torch.stack([jagged[name].lengths() for name in self.sequence_names])
+            # The batch's own lengths, feature-major like its keys (checked above): the lookups' are the
+            # same numbers, split per feature, and stacking them back would cost the eager step a copy.
+            history_lengths = batch.sequence.lengths().view(len(self.sequence_names), batch_size)
         else:
             item_rows, history_lengths = [], torch.zeros(0, batch_size, dtype=torch.int32, device=dense.device)
         num_tokens = batch_size * self.tower.num_fixed_tokens + sum(rows.shape[0] for rows in item_rows)

@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torchrec import KeyedJaggedTensor
+from torchrec import KeyedJaggedTensor, KeyedTensor
 
 from data.batch import ArrowBatchCollator, Batch
 from data.schema import LABEL, FeatureSchema
 from models import RankingModel, RankingModelConfig
+from models.ranking import fields_in_order
 
 SCHEMA = FeatureSchema(
     dense=("d0", "d1", "d2"),
@@ -199,9 +200,9 @@ def test_forward_and_backward_need_no_fbgemm_ops(model):
     assert "fbgemm" not in recorded.namespaces
 
 
-def test_collated_batch_is_looked_up_without_dtype_conversions(model):
-    # Each conversion is one more launch and allocation of the eager lookups in every step, on the
-    # host's critical path when the tower replays from CUDA graphs.
+def test_collated_batch_is_looked_up_without_conversions_or_copies(model):
+    # Each conversion or copy is one more launch and allocation of the eager lookups in every step, on
+    # the host's critical path when the tower replays from CUDA graphs.
     rows = pa.table({
         "d0": [0.5, 1.0, 2.0], "d1": [0.0, 1.0, 0.0], "d2": [3.0, 0.0, 1.0], "user": [1, 10, 4], "ad": [0, 12, 7],
         "clicks": [[], [3, 16, 2], [5]], "views": [[1, 18], [], [0, 0, 4]], LABEL: [1.0, 0.0, 1.0],
@@ -211,6 +212,18 @@ def test_collated_batch_is_looked_up_without_dtype_conversions(model):
         model.embed(batch)
     assert "embedding_bag" in recorded.ops or "_embedding_bag" in recorded.ops  # the recorder saw the lookups
     assert "_to_copy" not in recorded.ops
+    assert "stack" not in recorded.ops
+
+
+def test_pooled_fields_come_in_schema_order_whatever_the_collections_order():
+    values = torch.arange(24, dtype=torch.float32).view(2, 12)  # features a, b, c, 4 wide each
+    fields = fields_in_order(KeyedTensor(keys=["a", "b", "c"], length_per_key=[4, 4, 4], values=values),
+                             ["a", "b", "c"], 4)
+    assert fields.shape == (2, 3, 4) and fields.data_ptr() == values.data_ptr()  # a view, no copy
+    assert torch.equal(fields[:, 1], values[:, 4:8])
+    # Grouped by shard, as a sharded collection returns them.
+    by_shard = KeyedTensor(keys=["c", "a", "b"], length_per_key=[4, 4, 4], values=torch.cat([values[:, 8:], values[:, :8]], 1))
+    assert torch.equal(fields_in_order(by_shard, ["a", "b", "c"], 4), fields)
 
 
 def test_schema_without_sequences():
