@@ -145,8 +145,6 @@ class RankingModelConfig:
             bytes (Megatron-LM's default, fp32_residual_connection off). LayerNorm computes as autocast
             runs it (in fp32 on CUDA); the final norm takes the stream back in fp32, so the readout and
             the head stay fp32. Without autocast it changes nothing.
-        final_norm: a LayerNorm on the tokens before the readout (False: the identity).
-        head_dropout: dropout on the readout, the head's input, in training.
     """
 
     d_model: int = 64
@@ -176,8 +174,6 @@ class RankingModelConfig:
     head_cross_layers: int = 0
     residual_init: Literal["default", "zero"] = "default"
     residual_fp32: bool = True
-    final_norm: bool = True
-    head_dropout: float = 0.0
 
     def __post_init__(self):
         check_choices(self)
@@ -350,11 +346,10 @@ class DenseTower(nn.Module):
                 nn.init.zeros_(self.field_proj_bias)
         self.rotary = Rotary(base=config.rotary_base, within_block=config.rotary_within_block, rotate_v=config.rotate_v)
         self.layers = nn.ModuleList(AttentionLayer(config) for _ in range(config.num_layers))
-        self.final_norm = nn.LayerNorm(d) if config.final_norm else nn.Identity()
+        self.final_norm = nn.LayerNorm(d)
         # The candidate's token -> the query its history items' final tokens are scored against.
         self.target_query = nn.Linear(d, d, bias=False) if target_token is not None else None
         head_in = head_inputs(config, self.num_fixed_tokens)
-        self.head_dropout = nn.Dropout(config.head_dropout)
         self.head_cross = nn.ModuleList(nn.Linear(head_in, head_in) for _ in range(config.head_cross_layers))
         self.head = mlp(head_in, config.mlp_ratio * d, 1, hidden_layers=config.head_layers)
 
@@ -452,7 +447,6 @@ class DenseTower(nn.Module):
                 first, second = torch.triu_indices(fields.shape[1], fields.shape[1], 1, device=x.device)
                 head_input.append(dots[:, first, second])
             pooled = torch.cat(head_input, dim=1)
-        pooled = self.head_dropout(pooled)
         crossed = pooled
         for cross in self.head_cross:
             crossed = pooled * cross(crossed) + crossed
