@@ -12,13 +12,13 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from kernels import (  # noqa: E402
     Rotary, apply_rotary, block_attention, block_attention_qkv, block_table, check_backend, get_backend,
     offsets_from_lengths, rotary_tables,
 )
 from kernels.testing import parity  # noqa: E402
+from tests.test_model import RecordOps  # noqa: E402
 
 LENGTHS = (0, 1, 63, 64, 65, 200)  # empty, single token, partial, full, one past a block, several
 HEADS = 2
@@ -64,16 +64,6 @@ def test_fused_rotary_matches_rotating_first():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-class _RecordOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("rotary_mode", ["none", "qkv"])
 def test_packed_qkv_matches_its_views_and_writes_one_gradient(rotary_mode):
     """block_attention_qkv on a [T, 3, H, D] projection gives block_attention's result on its views bit for
@@ -99,11 +89,11 @@ def test_packed_qkv_matches_its_views_and_writes_one_gradient(rotary_mode):
     out, dqkv = run(packed_call)
     out_views, dqkv_views = run(views_call)
     assert torch.equal(out, out_views) and torch.equal(dqkv, dqkv_views)
-    out_op, dqkv_op, backward_ops = run(packed_call, _RecordOps())
+    out_op, dqkv_op, backward_ops = run(packed_call, RecordOps())
     assert torch.equal(out_op, out) and torch.equal(dqkv_op, dqkv)
     assert "block_attention.triton_backward_qkv" in backward_ops
     assert not {"aten.stack", "aten.cat", "aten.copy_"} & set(backward_ops), backward_ops
-    *_, views_backward_ops = run(views_call, _RecordOps())
+    *_, views_backward_ops = run(views_call, RecordOps())
     assert "block_attention.triton_backward" in views_backward_ops
     assert {"aten.stack", "aten.cat"} & set(views_backward_ops), views_backward_ops
     with pytest.raises(ValueError, match="qkv must be \\(total_tokens, 3, heads, head_dim\\)"):
