@@ -29,6 +29,7 @@ import json  # noqa: E402 (the environment above must come first)
 import math
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -61,6 +62,7 @@ from training.callbacks import (
 from training.graphed_optimizer import CUDAGraphAdamW
 from training.pipeline import PipelinedTrainingStep
 from training.precision import kernel_dtype
+from training.resume import config_differences, plan_resume
 from training.strategy import TorchrecStrategy  # importing it registers strategy="torchrec"
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
@@ -92,6 +94,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     fused: bool | None = None
     cuda_graph: bool = False
+
+    def __post_init__(self):
+        problems = {"lr": self.lr > 0, "weight_decay": self.weight_decay >= 0, "warmup_steps": self.warmup_steps >= 0,
+                    "min_lr_ratio": 0 <= self.min_lr_ratio <= 1}
+        bad = [f"{name}={getattr(self, name)}" for name, ok in problems.items() if not ok]
+        if bad:
+            raise ValueError(f"model.optim needs lr > 0, weight_decay >= 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; "
+                             f"got {', '.join(bad)}")
 
 
 def optimizer_config_error(optim: OptimConfig, trainer: L.Trainer) -> str | None:
@@ -346,8 +356,9 @@ class RankingCLI(LightningCLI):
             help="shortcut for --model.net.attn_backend",
         )
         parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="checkpoint to resume training from; the run continues in its folder. "
-                            "'last': the newest last.ckpt under <runs_dir>/<run_name>/")
+                            help="checkpoint to resume training from, with the settings it was trained with; the "
+                            "run continues in its folder (in a new version of the run when that folder's last.ckpt is "
+                            "further on). 'last': the newest last.ckpt under <runs_dir>/<run_name>/")
         parser.add_argument(
             "--dry_run", type=bool, default=False,
             help="check the config (build the model, data module and trainer), print it resolved as YAML and "
@@ -370,24 +381,46 @@ class RankingCLI(LightningCLI):
                               apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
-        if self.config.attn is not None:
-            self.config.model.net.attn_backend = self.config.attn
-        if self.config.ckpt_path:
-            run_root = Path(self.config.runs_dir) / self.config.run_name
-            self.config.ckpt_path = resolve_checkpoint(self.config.ckpt_path, run_root)
+        config = self.config
+        if config.attn is not None:
+            config.model.net.attn_backend = config.attn
+        if config.trainer.max_steps == 0:
+            raise ValueError("trainer.max_steps=0 trains nothing (-1: no step limit, train max_epochs)")
+        self.resume_plan = None
+        if config.ckpt_path:
+            config.ckpt_path = resolve_checkpoint(config.ckpt_path, Path(config.runs_dir) / config.run_name)
+            self.resume_plan = plan = plan_resume(config.ckpt_path)
+            if 0 < (config.trainer.max_steps or -1) <= plan.step:
+                raise ValueError(f"--ckpt_path {config.ckpt_path} is at step {plan.step} and trainer.max_steps="
+                                 f"{config.trainer.max_steps}: nothing is left to train; raise trainer.max_steps")
+            if plan.run_folder is not None:  # the run keeps its own name and runs folder, whatever the flags say
+                runs_dir = plan.run_folder.parent.parent
+                if Path(config.runs_dir).resolve() != runs_dir:
+                    config.runs_dir = str(runs_dir)
+                config.run_name = plan.run_folder.parent.name
+        check_runs_dir(Path(config.runs_dir))
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
-        config = self.config
+        config, plan = self.config, self.resume_plan
         version = None
-        if config.ckpt_path:  # runs/<name>/version_N/checkpoints/x.ckpt: continue in version_N
-            run_folder = Path(config.ckpt_path).resolve().parent.parent
-            if run_folder.name.startswith("version_") and run_folder.parent.name == config.run_name:
-                # As a number, as a fresh run's: the progress bar shows a string's last 4 characters ("on_0").
-                suffix = run_folder.name.removeprefix("version_")
-                version = int(suffix) if suffix.isdigit() else run_folder.name
+        if plan is not None:
+            # Before anything is written to the run's folder (its metrics below, config.yaml when fit starts).
+            differences = config_differences(sharding.checkpoint_metadata(config.ckpt_path), self.model.hparams,
+                                             self.datamodule.data_stream)
+            if differences:
+                shown = "; ".join(differences[:4]) + (f"; ... ({len(differences)} in all)" if len(differences) > 4 else "")
+                raise ValueError(f"--ckpt_path {config.ckpt_path} was trained with other settings: {shown}. Resume with "
+                                 f"the checkpoint's (its run folder's config.yaml), or train a new run")
+            if plan.in_place:  # As a number, as a fresh run's: the progress bar shows a string's last 4 characters.
+                suffix = plan.run_folder.name.removeprefix("version_")
+                version = int(suffix) if suffix.isdigit() else plan.run_folder.name
         csv_logger = CSVLogger(config.runs_dir, name=config.run_name, version=version)
-        if version is not None and rank_zero_only.rank == 0:  # a .ckpt file, or the torchrec strategy's folder
-            continue_metrics(csv_logger, sharding.checkpoint_metadata(config.ckpt_path)["global_step"])
+        if plan is not None and plan.run_folder is not None and rank_zero_only.rank == 0:
+            continue_metrics(csv_logger, plan.step, plan.run_folder / "metrics.csv")
+            if plan.rewind_of is not None:
+                print(f"--ckpt_path is at step {plan.step} of {plan.run_folder}, whose last.ckpt is at step "
+                      f"{plan.rewind_of}: training on from step {plan.step} in {csv_logger.log_dir}, which starts "
+                      f"with that run's metrics up to step {plan.step}; {plan.run_folder.name} stays as it was")
         loggers = [
             csv_logger,
             TensorBoardLogger(config.runs_dir, name=config.run_name, version=csv_logger.version,
@@ -408,6 +441,15 @@ class RankingCLI(LightningCLI):
         # The data module shards rows by rank itself (ShardedSampler), without repeating any.
         return super().instantiate_trainer(logger=loggers, callbacks=callbacks, use_distributed_sampler=False,
                                            **kwargs)
+
+
+def check_runs_dir(runs_dir: Path) -> None:
+    """ValueError naming runs_dir when runs cannot be written there (before any data is prepared)."""
+    if runs_dir.exists() and not runs_dir.is_dir():
+        raise ValueError(f"runs_dir={runs_dir} is a file, not a folder: give a folder for the runs")
+    existing = next(folder for folder in (runs_dir, *runs_dir.absolute().parents) if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"runs_dir={runs_dir}: cannot write there ({existing} is not a writable folder)")
 
 
 def resolve_checkpoint(ckpt_path: str, run_root: Path) -> str:
@@ -432,6 +474,9 @@ def resolve_checkpoint(ckpt_path: str, run_root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # The data module saves and restores its sampler's place in the epoch itself (CTRDataModule.state_dict),
+    # which Lightning's resumable-loader test cannot see: its warning on every mid-epoch resume is wrong here.
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
     try:
         cli = RankingCLI(
             RankingTask, CTRDataModule, run=False, args=argv, seed_everything_default=0,
@@ -487,6 +532,8 @@ def main(argv: list[str] | None = None) -> None:
             datamodule.prepare_data()
             datamodule.setup("fit")
         except (ValueError, OSError) as error:
+            if isinstance(error, OSError) and error.strerror:  # the system's words: say whose folder it is
+                error = f"data.data_dir={datamodule.args.data_dir}: {error.strerror}: {error.filename}"
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
     try:

@@ -142,6 +142,7 @@ class CTRDataModule(lightning.LightningDataModule):
             num_categorical=num_categorical, vocab_size=vocab_size, num_items=num_items,
             max_history_len=max_history_len, protocol=protocol,
         )
+        self.dataset = dataset
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.schema: FeatureSchema = self.spec.schema(self.args)  # also checks the dataset's own arguments
@@ -237,8 +238,17 @@ class CTRDataModule(lightning.LightningDataModule):
         if self.train_sampler is not None:
             self.train_sampler.consumed += batch.batch_size
 
+    @property
+    def data_stream(self) -> dict:
+        """The arguments that decide which training batches come in which order (not where the data
+        lives, how it is loaded, or the validation's size): a checkpoint keeps them, and a run resumed from
+        it must have the same (training/resume.py)."""
+        kept = {name: value for name, value in vars(self.args).items() if name not in ("data_dir", "num_val")}
+        return {"dataset": self.dataset, "batch_size": self.batch_size, **kept}
+
     def state_dict(self) -> dict:
-        return {"train_sampler": self.train_sampler.state_dict()} if self.train_sampler is not None else {}
+        sampler = {"train_sampler": self.train_sampler.state_dict()} if self.train_sampler is not None else {}
+        return {**sampler, "data_stream": self.data_stream}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._sampler_state = state_dict.get("train_sampler")

@@ -175,8 +175,16 @@ class RankingModelConfig:
     residual_init: Literal["default", "zero"] = "default"
     residual_fp32: bool = True
 
+    # The fields that choose how the same network is computed (kernels, compilation, padding, the token
+    # stream's dtype), not what it is: a run resumed from a checkpoint may change these and no other.
+    EXECUTION_FIELDS = ("attn_backend", "fused_attention", "attention_sublayer_plan", "fused_mlp", "compile",
+                        "compile_mode", "pad_tokens_to", "residual_fp32")
+
     def __post_init__(self):
         check_choices(self)
+        for name in ("d_model", "num_heads"):  # before the divisibility test below divides by them
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.d_model % self.num_heads != 0:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if self.head_dim % 2 != 0:

@@ -50,6 +50,16 @@ CASES = {
         TRAIN + ["--memory_limit_gib=0.001"],
         "this model needs about 4.5 MiB to train (25,441 parameters x 24 bytes",
     ),
+    "no heads": (TRAIN + ["--model.net.num_heads=0"], "num_heads=0 must be >= 1"),
+    "no token width": (TRAIN + ["--model.net.d_model=0"], "d_model=0 must be >= 1"),
+    "negative learning rate": (TRAIN + ["--model.optim.lr=-1"], "got lr=-1"),
+    "negative warmup": (TRAIN + ["--model.optim.warmup_steps=-5"], "got warmup_steps=-5"),
+    "negative checkpoint interval": (
+        TRAIN + ["--checkpoint.every_n_steps=-3"], "checkpoint.every_n_steps and checkpoint.every_minutes must be >= 0"
+    ),
+    "no steps to train": (TRAIN + ["--trainer.max_steps=0"], "trainer.max_steps=0 trains nothing"),
+    "data_dir that is a file": (TRAIN + ["--data.data_dir={root}/garbage.ckpt"], "data.data_dir={root}/garbage.ckpt: "),
+    "runs_dir that is a file": (TRAIN + ["--runs_dir={root}/garbage.ckpt"], "garbage.ckpt is a file, not a folder"),
     "misspelled key": (TRAIN + ["--model.net.num_layerz=1"], "num_layerz=1 (python train.py --help lists every key)"),
     "unknown attention backend": (
         TRAIN + ["--attn=cuda"], "'auto', 'reference', 'fa2', 'flex', 'triton', 'tlx']. Got value: cuda"
@@ -84,7 +94,7 @@ CASES = {
 def test_bad_input_exits_2_with_one_line_naming_the_problem(inputs, tmp_path, name):
     command, message = CASES[name]
     command = [part.format(root=inputs) for part in command]
-    if command[1] == "train.py":
+    if command[1] == "train.py" and not any(part.startswith("--runs_dir") for part in command):
         command += [f"--runs_dir={tmp_path / 'runs'}"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 2, result.stderr[-3000:]

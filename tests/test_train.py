@@ -142,6 +142,117 @@ def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(
     assert torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 50
 
 
+def test_resuming_an_earlier_checkpoint_trains_a_new_version_and_leaves_the_run_as_it_was(uninterrupted_run, tmp_path):
+    """A rewind: resumed from a step-20 checkpoint while the folder's last.ckpt is at step 40, the run
+    trains into version_1, whose metrics start with version_0's rows before step 20 and then equal them
+    bit for bit (same weights, same batches); version_0's checkpoints and rows stay as they were. It
+    used to write last-v1.ckpt beside the stale last.ckpt, which --ckpt_path last then resumed, and to
+    cut version_0's rows after step 20."""
+    cache, _ = uninterrupted_run
+    runs = tmp_path / "runs"
+    common = [*RESUME_ARGS, f"--runs_dir={runs}", f"--data.data_dir={cache}"]
+    first = run_train(*common, "--trainer.max_steps=20")
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = runs / "tiny" / "version_0" / "checkpoints"
+    early = checkpoints / "step20.ckpt"
+    early.write_bytes((checkpoints / "last.ckpt").read_bytes())
+    assert run_train(*common, "--ckpt_path=last", "--trainer.max_steps=40").returncode == 0
+    kept = {path.name: path.read_bytes() for path in [*checkpoints.iterdir(), checkpoints.parent / "metrics.csv"]}
+
+    rewound = run_train(*common, f"--ckpt_path={early}", "--trainer.max_steps=30")
+    assert rewound.returncode == 0, rewound.stderr[-3000:]
+    assert "whose last.ckpt is at step 40" in rewound.stdout
+    assert {path.name: path.read_bytes() for path in [*checkpoints.iterdir(), checkpoints.parent / "metrics.csv"]} == kept
+    original, rows = read_metrics(runs / "tiny" / "version_0"), read_metrics(runs / "tiny" / "version_1")
+    assert [int(row["step"]) for row in rows if row["train/loss"]] == list(range(30))
+    assert column(rows, "train/loss") == column(original, "train/loss")[:30]
+    assert torch.load(runs / "tiny" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 30
+
+    # Resumed in place from a copy of the newest state, not last.ckpt itself: last.ckpt moves on, no last-v1.ckpt.
+    newest = checkpoints / "step40.ckpt"
+    newest.write_bytes((checkpoints / "last.ckpt").read_bytes())
+    assert run_train(*common, f"--ckpt_path={newest}", "--trainer.max_steps=45").returncode == 0
+    assert not list(checkpoints.glob("last-v*.ckpt"))
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 45
+
+
+def test_a_checkpoint_resumes_in_its_own_run_folder_whatever_runs_dir_says(uninterrupted_run, tmp_path):
+    """Its folder's run name and runs folder win over --run_name and --runs_dir: it used to continue in
+    <runs_dir>/<run_name>/version_N when the names matched, cutting another run's metrics there."""
+    cache, _ = uninterrupted_run
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    common = [*RESUME_ARGS, f"--data.data_dir={cache}", "--trainer.max_steps=20"]
+    assert run_train(*common, f"--runs_dir={mine}").returncode == 0
+    assert run_train(*common, f"--runs_dir={other}", "--seed_everything=1").returncode == 0
+    others = (other / "tiny" / "version_0" / "metrics.csv").read_bytes()
+    resumed = run_train(*common, f"--runs_dir={other}", "--run_name=elsewhere", "--trainer.max_steps=25",
+                        f"--ckpt_path={mine / 'tiny' / 'version_0' / 'checkpoints' / 'last.ckpt'}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"run folder: {mine / 'tiny' / 'version_0'}" in resumed.stdout
+    assert (other / "tiny" / "version_0" / "metrics.csv").read_bytes() == others
+    assert not (other / "elsewhere").exists()
+    assert len(column(read_metrics(mine / "tiny" / "version_0"), "train/loss")) == 25
+
+
+def test_resuming_with_other_settings_is_refused_before_anything_is_written(uninterrupted_run, tmp_path):
+    """A different network, data stream or optimizer setting (which the checkpoint's optimizer state would
+    silently override) is one line naming each, exit 2, and the run's folder unchanged; a checkpoint past
+    max_steps likewise. How the same network is computed (here its padding) may change."""
+    cache, _ = uninterrupted_run
+    runs = tmp_path / "runs"
+    common = [*RESUME_ARGS, f"--runs_dir={runs}", f"--data.data_dir={cache}"]
+    assert run_train(*common, "--trainer.max_steps=20").returncode == 0
+    run_folder = runs / "tiny" / "version_0"
+    before = {path: path.read_bytes() for path in run_folder.rglob("*") if path.is_file()}
+
+    changed = run_train(*common, "--ckpt_path=last", "--model.net.d_model=64", "--model.optim.lr=0.1",
+                        "--data.seed=3", "--data.batch_size=32", timeout=120)
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr, changed.stderr[-3000:]
+    message = changed.stderr.strip().splitlines()[-1]
+    for difference in ("model.net.d_model: 32 in the checkpoint, 64 now", "model.optim.lr: 0.005 in the checkpoint, 0.1 now",
+                       "data.seed: 0 in the checkpoint, 3 now", "data.batch_size: 64 in the checkpoint, 32 now"):
+        assert difference in message, message
+    finished = run_train(*common, "--ckpt_path=last", "--trainer.max_steps=20", timeout=120)
+    assert finished.returncode == 2 and "is at step 20 and trainer.max_steps=20" in finished.stderr
+    assert {path: path.read_bytes() for path in run_folder.rglob("*") if path.is_file()} == before
+    assert sorted(p.name for p in (runs / "tiny").iterdir()) == ["version_0"]
+
+    padded = run_train(*common, "--ckpt_path=last", "--trainer.max_steps=25", "--model.net.pad_tokens_to=64")
+    assert padded.returncode == 0, padded.stderr[-3000:]
+
+
+def test_resume_compares_what_defines_the_run_and_lets_the_rest_change():
+    """config_differences on hand-made metadata: the network's own settings (model.net for the block-attention
+    model, model.baseline for a baseline), the learning rate and weight decay, the data stream; not how the
+    network is computed, the schedule's shape, or a data stream an old checkpoint did not save."""
+    from dataclasses import asdict, fields
+
+    from models import RankingModelConfig
+    from training.resume import config_differences
+
+    assert set(RankingModelConfig.EXECUTION_FIELDS) <= {field.name for field in fields(RankingModelConfig)}
+    net, optim, baseline = asdict(RankingModelConfig()), asdict(train.OptimConfig()), {"hidden": 64}
+    stream = {"dataset": "synthetic", "batch_size": 64, "seed": 0}
+    saved = {"hyper_parameters": {"arch": "block_attention", "net": net, "optim": optim, "baseline": baseline},
+             "CTRDataModule": {"data_stream": stream}}
+
+    def now(arch="block_attention", net=net, optim=optim, baseline=baseline, stream=stream, metadata=saved):
+        return config_differences(metadata, {"arch": arch, "net": net, "optim": optim, "baseline": baseline}, stream)
+
+    assert now() == []
+    assert now(net={**net, "attn_backend": "triton", "compile": True, "pad_tokens_to": 4096}) == []
+    assert now(optim={**optim, "warmup_steps": 7, "min_lr_ratio": 1.0}) == []
+    assert now(net={**net, "num_layers": 3}) == ["model.net.num_layers: 2 in the checkpoint, 3 now"]
+    assert now(optim={**optim, "weight_decay": 0.5}) == ["model.optim.weight_decay: 0.01 in the checkpoint, 0.5 now"]
+    assert now(stream={**stream, "batch_size": 32}) == ["data.batch_size: 64 in the checkpoint, 32 now"]
+    assert now(arch="dcnv2") == ["model.arch: 'block_attention' in the checkpoint, 'dcnv2' now"]
+    assert now(stream={**stream, "seed": 1}, metadata={**saved, "CTRDataModule": {}}) == []  # saved before data_stream
+    baseline_run = {**saved, "hyper_parameters": {**saved["hyper_parameters"], "arch": "dcnv2"}}
+    assert now("dcnv2", net={**net, "num_layers": 3}, metadata=baseline_run) == []  # a baseline has no model.net
+    assert now("dcnv2", baseline={"hidden": 32}, metadata=baseline_run) == [
+        "model.baseline.hidden: 64 in the checkpoint, 32 now"]
+
+
 def test_unavailable_backend_fails_fast_with_clean_message(tmp_path):
     result = run_train("--config", "configs/tiny.yaml", "--attn=tlx", f"--runs_dir={tmp_path}/runs",
                        f"--data.data_dir={tmp_path}/cache", timeout=120)

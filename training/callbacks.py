@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -43,6 +44,11 @@ class CheckpointConfig:
     every_n_steps: int = 500
     every_minutes: float = 5.0
     best_metric: Literal["ne", "auc"] = "ne"
+
+    def __post_init__(self):
+        if self.every_n_steps < 0 or self.every_minutes < 0:
+            raise ValueError(f"checkpoint.every_n_steps and checkpoint.every_minutes must be >= 0 (0: off); got "
+                             f"{self.every_n_steps} and {self.every_minutes}")
 
 
 class StepMetrics(Callback):
@@ -187,7 +193,9 @@ class LastCheckpoint(ModelCheckpoint):
     one, then renamed over it, so a kill mid-write leaves the previous checkpoint whole."""
 
     def __init__(self, schedule: CheckpointConfig):
-        super().__init__(filename="last")
+        # No version counter: a resume that starts from another checkpoint of the folder still writes
+        # last.ckpt (not last-v1.ckpt beside it), which --ckpt_path last then finds.
+        super().__init__(filename="last", enable_version_counter=False)
         self.schedule = schedule
         self.saved_at = time.monotonic()
 
@@ -257,17 +265,20 @@ def replace_checkpoint(source: str, target: str) -> None:
         os.replace(source, target)
 
 
-def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int) -> None:
-    """Lets a resumed run append to its folder's metrics.csv: keeps the rows of the steps before the
-    checkpoint (a validation is logged at the index of the step it follows) and drops what a killed
-    run logged after it."""
+def continue_metrics(csv_logger: CSVLogger, checkpoint_step: int, source: Path) -> None:
+    """Lets a resumed run append to its metrics.csv: it starts with `source`'s rows of the steps before
+    the checkpoint (a validation is logged at the index of the step it follows). In the run's own
+    folder (source is its metrics.csv) that drops what a killed run logged after the checkpoint; a
+    rewound run's new folder gets the earlier run's rows up to it."""
     path = Path(csv_logger.log_dir) / "metrics.csv"
     header, rows = [], []
-    if path.exists():
-        with open(path, newline="") as f:
+    if source.exists():
+        with open(source, newline="") as f:
             reader = csv.DictReader(f)
             header, rows = list(reader.fieldnames or []), list(reader)
-    writer = csv_logger.experiment  # Lightning's CSV writer deletes an existing metrics.csv on opening
+    with warnings.catch_warnings():  # its "previous log files will be deleted": the rows are written back below
+        warnings.filterwarnings("ignore", message=".*Previous log files in this directory will be deleted.*")
+        writer = csv_logger.experiment  # Lightning's CSV writer deletes an existing metrics.csv on opening
     if not header:
         return
     kept = [row for row in rows if int(row["step"]) < checkpoint_step]
