@@ -186,10 +186,13 @@ def fetch_release(release: MovieLensRelease, raw_dir: Path) -> Path:
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = list(Path(download_dir).glob("*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
-            lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+            # pip's reason is its last "ERROR:" line on stderr; its stdout ends with where it looked.
+            lines = [line.strip() for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
+            errors = [line for line in lines if line.startswith("ERROR:")]
+            reason = (errors or lines or ["no output"])[-1]
             raise FetchError(
                 f"could not fetch {release.folder_name}: `{' '.join(command[2:])}` failed "
-                f"({lines[-1].strip() if lines else 'no output'}); the files are "
+                f"({reason}); the files are "
                 f"{release.member_dir}{{{','.join(release.files)}}} of the {release.wheel} wheel, "
                 f"to be put in {raw_dir}"
             )

@@ -103,6 +103,15 @@ def load_split(folder: Path, split: str) -> datasets.Dataset:
     files = sorted(str(path) for path in (Path(folder) / split).glob("*.parquet"))
     if not files:
         raise FileNotFoundError(f"no parquet files in {Path(folder) / split}")
-    return datasets.load_dataset(
-        "parquet", data_files={split: files}, split=split, cache_dir=str(Path(folder) / ".hf_cache")
-    )
+    # datasets converts the parquet files into an Arrow cache it locks and writes: beside them, or, for a
+    # prepared folder shared read-only, in its own cache (HF_DATASETS_CACHE, ~/.cache/huggingface by default).
+    writable = os.access(folder, os.W_OK | os.X_OK)
+    try:
+        return datasets.load_dataset(
+            "parquet", data_files={split: files}, split=split,
+            cache_dir=str(Path(folder) / ".hf_cache") if writable else None,
+        )
+    except (pa.ArrowException, datasets.exceptions.DatasetGenerationError) as error:  # a damaged or foreign file
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ValueError(f"cannot read the prepared {split} split in {Path(folder) / split} ({reason}); if a file "
+                         f"there is damaged, delete {folder} and it is prepared again (data.prepare for Criteo)") from None

@@ -83,11 +83,19 @@ def check_fits(estimate: MemoryEstimate, limit_bytes: int, already_held_bytes: i
         f"this model needs about {_size(estimate.total_bytes)} to train ({estimate.parameters:,} parameters x "
         f"{TRAINING_BYTES_PER_PARAMETER} bytes for weights, gradients, AdamW state and the step's temporaries = "
         f"{_size(estimate.training_state_bytes)}, plus about {_size(estimate.activation_bytes)} of activations), "
-        f"and {where} has {_size(limit_bytes + already_held_bytes)} for it. Make the tables smaller "
-        f"(data.vocab_size, and data.prepare's --table-size for Criteo), or shard them with fused row-wise "
-        f"Adagrad (--config configs/sharded.yaml: no AdamW state or dense gradient for the tables); "
+        f"and {where} has {_size(limit_bytes + already_held_bytes)} for it. {_remedy(estimate)}; "
         f"--memory_limit_gib sets the limit, 0 turns the check off"
     )
+
+
+def _remedy(estimate: MemoryEstimate) -> str:
+    """What shrinks the larger part of the estimate."""
+    if estimate.activation_bytes > estimate.training_state_bytes:  # they scale with the tokens of a batch
+        return ("Most of it is activations: make data.batch_size smaller (or model.net.d_model, num_layers, "
+                "data.max_history_len)")
+    return ("Make the tables smaller (data.vocab_size, and data.prepare's --table-size for Criteo), or shard them "
+            "with fused row-wise Adagrad (--config configs/sharded.yaml: no AdamW state or dense gradient for the "
+            "tables)")
 
 
 def _size(num_bytes: int) -> str:

@@ -318,6 +318,8 @@ def test_variant_key_value_overrides_follow_the_passthrough_keys():
         (["--attn", "reference", "reference", "--seed_everything=3"], "sets --seed_everything itself"),
         (["--attn", "reference", "reference", "--model.net.num_heads=3"], "d_model=64 is not divisible by num_heads=3"),
         (["--attn", "reference", "reference", "--model.net.bogus=3"], "bogus"),
+        (["--attn", "reference", "reference", "--config", "configs/tiny.yaml", "--steps", "10"],
+         "trainer.val_check_interval=20 is more than a run's 10 steps"),
         (["--attn", "reference", "reference", "--variant", "x", "reference"], "give LABEL BACKEND CONFIG"),
         (["--attn", "reference", "reference", "--variant", "reference", "reference", "configs/tiny.yaml"],
          "--variant label 'reference' must be new"),

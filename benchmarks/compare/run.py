@@ -222,6 +222,11 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
     steps = args.steps if args.steps is not None else config["trainer"]["max_steps"]
     if steps is None or steps < 1:
         raise CompareError(f"the config sets no trainer.max_steps ({steps}); pass --steps")
+    interval = config["trainer"].get("val_check_interval")
+    if isinstance(interval, int) and interval > steps:  # a float is a fraction of an epoch: it validates
+        raise CompareError(f"trainer.val_check_interval={interval} is more than a run's {steps} steps: no run would "
+                           f"validate, and the verdict compares the last validation; pass "
+                           f"--trainer.val_check_interval={steps} (or fewer)")
     device = training_device(config["trainer"]["accelerator"])
     for backend in dict.fromkeys(labels.values()):
         try:
