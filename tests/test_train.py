@@ -162,6 +162,8 @@ def test_resuming_an_earlier_checkpoint_trains_a_new_version_and_leaves_the_run_
     rewound = run_train(*common, f"--ckpt_path={early}", "--trainer.max_steps=30")
     assert rewound.returncode == 0, rewound.stderr[-3000:]
     assert "whose last.ckpt is at step 40" in rewound.stdout
+    # Its best checkpoint is among its own validations, of which it ran none (the next is at step 40).
+    assert "best checkpoint (lowest val/ne): none (no validation ran)" in rewound.stdout
     assert {path.name: path.read_bytes() for path in [*checkpoints.iterdir(), checkpoints.parent / "metrics.csv"]} == kept
     original, rows = read_metrics(runs / "tiny" / "version_0"), read_metrics(runs / "tiny" / "version_1")
     assert [int(row["step"]) for row in rows if row["train/loss"]] == list(range(30))

@@ -185,6 +185,13 @@ class BestCheckpoint(ModelCheckpoint):
                          auto_insert_metric_name=False)
         self.description = best_validation(best_metric)  # how this checkpoint is chosen
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if state_dict.get("dirpath", self.dirpath) != self.dirpath:
+            # A rewound run (training/resume.py) trains in a new folder and picks its best among its own
+            # validations; Lightning would keep the earlier folder's best, which that run may have replaced since.
+            self.best_model_path = ""
+
 
 class LastCheckpoint(ModelCheckpoint):
     """checkpoints/last.ckpt, the newest state of the run: after every validation (ModelCheckpoint's
