@@ -388,8 +388,8 @@ class RankingCLI(LightningCLI):
             raise ValueError("trainer.max_steps=0 trains nothing (-1: no step limit, train max_epochs)")
         self.resume_plan = None
         if config.ckpt_path:
-            config.ckpt_path = resolve_checkpoint(config.ckpt_path, Path(config.runs_dir) / config.run_name)
-            self.resume_plan = plan = plan_resume(config.ckpt_path)
+            self.resume_plan = plan = plan_resume(config.ckpt_path, Path(config.runs_dir) / config.run_name)
+            config.ckpt_path = plan.ckpt_path
             if 0 < (config.trainer.max_steps or -1) <= plan.step:
                 raise ValueError(f"--ckpt_path {config.ckpt_path} is at step {plan.step} and trainer.max_steps="
                                  f"{config.trainer.max_steps}: nothing is left to train; raise trainer.max_steps")
@@ -405,8 +405,7 @@ class RankingCLI(LightningCLI):
         version = None
         if plan is not None:
             # Before anything is written to the run's folder (its metrics below, config.yaml when fit starts).
-            differences = config_differences(sharding.checkpoint_metadata(config.ckpt_path), self.model.hparams,
-                                             self.datamodule.data_stream)
+            differences = config_differences(plan.metadata, self.model.hparams, self.datamodule.data_stream)
             if differences:
                 shown = "; ".join(differences[:4]) + (f"; ... ({len(differences)} in all)" if len(differences) > 4 else "")
                 raise ValueError(f"--ckpt_path {config.ckpt_path} was trained with other settings: {shown}. Resume with "
@@ -450,27 +449,6 @@ def check_runs_dir(runs_dir: Path) -> None:
     existing = next(folder for folder in (runs_dir, *runs_dir.absolute().parents) if folder.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"runs_dir={runs_dir}: cannot write there ({existing} is not a writable folder)")
-
-
-def resolve_checkpoint(ckpt_path: str, run_root: Path) -> str:
-    """The checkpoint --ckpt_path names ("last": the newest last.ckpt under run_root), checked readable;
-    ValueError naming the problem otherwise."""
-    if ckpt_path == "last":
-        candidates = sorted(run_root.glob("version_*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not candidates:
-            raise ValueError(f"--ckpt_path last: no version_*/checkpoints/last.ckpt under {run_root} "
-                             f"(set --run_name and --runs_dir to the run's, or give the checkpoint's path)")
-        ckpt_path = str(candidates[-1])
-    if not Path(ckpt_path).exists():
-        raise ValueError(f"--ckpt_path {ckpt_path}: no such checkpoint")
-    try:
-        metadata = sharding.checkpoint_metadata(ckpt_path)
-    except Exception as error:  # torch.load's errors for a truncated or foreign file vary by cause
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"--ckpt_path {ckpt_path}: not a readable checkpoint ({reason})") from None
-    if not isinstance(metadata, dict) or "global_step" not in metadata:
-        raise ValueError(f"--ckpt_path {ckpt_path}: not a Lightning checkpoint (it has no global_step)")
-    return ckpt_path
 
 
 def main(argv: list[str] | None = None) -> None:
