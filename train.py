@@ -30,7 +30,7 @@ import math
 import signal
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -68,6 +68,10 @@ from training.strategy import TorchrecStrategy  # importing it registers strateg
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 
+# The learning-rate schedule's length, which a checkpoint keeps: a resume with another max_steps restretches it.
+SCHEDULE_STEPS_KEY = "lr_schedule_steps"
+
+
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup, then cosine decay.
@@ -102,6 +106,13 @@ class OptimConfig:
         if bad:
             raise ValueError(f"model.optim needs lr > 0, weight_decay >= 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; "
                              f"got {', '.join(bad)}")
+
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """The learning rate at `step` of a `total_steps` schedule, as a fraction of lr."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min((step - self.warmup_steps) / max(total_steps - self.warmup_steps, 1), 1.0)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def optimizer_config_error(optim: OptimConfig, trainer: L.Trainer) -> str | None:
@@ -157,8 +168,14 @@ class RankingTask(L.LightningModule):
         self.val_ctr = MeanMetric()
         self.val_mean_prediction = MeanMetric()
         self.val_auc = BinaryAUROC()
+        self.schedule_steps: int | None = None  # the learning-rate schedule's length, set by configure_optimizers
+        self.resumed_schedule: tuple | None = None  # a checkpoint's (step, schedule length, optim settings)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Restored before configure_optimizers runs, which compares the schedule's length with this run's.
+        if SCHEDULE_STEPS_KEY in checkpoint:
+            saved_optim = (checkpoint.get("hyper_parameters") or {}).get("optim")
+            self.resumed_schedule = (int(checkpoint["global_step"]), int(checkpoint[SCHEDULE_STEPS_KEY]), saved_optim)
         state = checkpoint.get("state_dict")
         for new, old in sharding.RENAMED_PREFIXES.items():  # a checkpoint from before a rename
             if state and not any(key.startswith(new) for key in state):
@@ -317,17 +334,23 @@ class RankingTask(L.LightningModule):
             if fused is None:
                 fused = all(p.is_cuda for p in decay + no_decay) and str(self.trainer.precision) != "16-mixed"
             optimizer = torch.optim.AdamW(groups, lr=optim.lr, fused=fused)
-        total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup, floor = optim.warmup_steps, optim.min_lr_ratio
-
-        def lr_factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min((step - warmup) / max(total_steps - warmup, 1), 1.0)
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        self.schedule_steps = total_steps = max(int(self.trainer.estimated_stepping_batches), 1)
+        if self.resumed_schedule is not None and self.global_rank == 0:
+            # The schedule's position is restored, its shape is this run's: the rate jumps where they differ.
+            step, saved_steps, saved_optim = self.resumed_schedule
+            known = {field.name for field in fields(OptimConfig)}
+            saved_optim = OptimConfig(**{k: v for k, v in saved_optim.items() if k in known}) if saved_optim else optim
+            before = saved_optim.lr * saved_optim.lr_factor(step, saved_steps)
+            now = optim.lr * optim.lr_factor(step, total_steps)
+            if not math.isclose(before, now, rel_tol=1e-6):
+                print(f"note: the checkpoint's learning-rate schedule ran over {saved_steps} steps, this run's over "
+                      f"{total_steps} (trainer.max_steps, and model.optim's warmup_steps and min_lr_ratio shape it): "
+                      f"at step {step} the learning rate goes from {before:.3g} to {now:.3g}")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: optim.lr_factor(step, total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[SCHEDULE_STEPS_KEY] = self.schedule_steps
 
 
 class RankingArgumentParser(LightningArgumentParser):

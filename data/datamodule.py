@@ -208,6 +208,12 @@ class CTRDataModule(lightning.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         loader = self._loader("train", shuffle=True)
         self.train_sampler = loader.sampler
+        if 0 < len(self.train_sampler) < self.batch_size:
+            log.warning(
+                "data.batch_size=%d is more than the %d training rows each process has: every step trains on "
+                "those %d rows, the whole epoch in one batch", self.batch_size, len(self.train_sampler),
+                len(self.train_sampler),
+            )  # fmt: skip
         if self._sampler_state is not None:  # resuming: continue the epoch where the checkpoint left off
             self.train_sampler.load_state_dict(self._sampler_state)
             self._sampler_state = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -219,6 +220,22 @@ def test_datamodule_end_to_end(tmp_path, monkeypatch):
     with_workers.setup("fit")
     for first, second in zip(_epoch(module.val_dataloader()), _epoch(with_workers.val_dataloader())):
         assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_a_batch_larger_than_the_training_data_is_warned_about(tmp_path, caplog):
+    module = CTRDataModule(data_dir=str(tmp_path), **{**TINY, "batch_size": 1024})
+    module.prepare_data()
+    module.setup("fit")
+    with caplog.at_level(logging.WARNING, logger="data.datamodule"):
+        batches = list(module.train_dataloader())
+    assert [batch.batch_size for batch in batches] == [300]
+    assert "data.batch_size=1024 is more than the 300 training rows" in caplog.text
+    caplog.clear()
+    fitting = CTRDataModule(data_dir=str(tmp_path), **TINY)
+    fitting.setup("fit")
+    with caplog.at_level(logging.WARNING, logger="data.datamodule"):
+        fitting.train_dataloader()
+    assert "batch_size" not in caplog.text
 
 
 def test_datamodule_keeps_configs_apart_and_ignores_leftover_staging(tmp_path):

@@ -130,6 +130,7 @@ def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(
 
     resumed = run_train(*common, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "learning-rate schedule" not in resumed.stdout  # constant after warmup: no jump, whatever max_steps was
     assert f"last checkpoint: {run_folder / 'checkpoints' / 'last.ckpt'}" in resumed.stdout  # the run's summary
     assert not (runs / "tiny" / "version_1").exists()  # continued in its own folder
     rows = read_metrics(run_folder)
@@ -219,8 +220,12 @@ def test_resuming_with_other_settings_is_refused_before_anything_is_written(unin
     assert {path: path.read_bytes() for path in run_folder.rglob("*") if path.is_file()} == before
     assert sorted(p.name for p in (runs / "tiny").iterdir()) == ["version_0"]
 
-    padded = run_train(*common, "--ckpt_path=last", "--trainer.max_steps=25", "--model.net.pad_tokens_to=64")
+    # A schedule of another shape (here its floor) is allowed, and said: the learning rate jumps.
+    padded = run_train(*common, "--ckpt_path=last", "--trainer.max_steps=25", "--model.net.pad_tokens_to=64",
+                       "--model.optim.min_lr_ratio=0.5")
     assert padded.returncode == 0, padded.stderr[-3000:]
+    assert ("schedule ran over 20 steps, this run's over 25 (trainer.max_steps, and model.optim's warmup_steps and "
+            "min_lr_ratio shape it): at step 20 the learning rate goes from 0.005 to 0.00") in padded.stdout
 
 
 def test_resume_compares_what_defines_the_run_and_lets_the_rest_change():
