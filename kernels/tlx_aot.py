@@ -202,9 +202,9 @@ def _attention_sublayer_source(cfg: AttentionSublayerAotConfig):
     return ast_source(fn, signature, constexprs, divisible)
 
 
-def aot_configs(dtypes=("bf16", "fp16")) -> list:
-    """Every production configuration, plus each tuning variant's kernels (bf16, the sweep's
-    dtype, with and without rotary) that differ from a kernel already in the list."""
+def aot_configs(dtypes=("bf16", "fp16"), tuning_variants: bool = True) -> list:
+    """Every production configuration, plus (tuning_variants) each tuning variant's kernels (bf16, the
+    sweep's dtype, with and without rotary) that differ from a kernel already in the list."""
     configs = []
     for direction in ("fwd", "bwd"):
         for head_dim in (64, 128):
@@ -212,7 +212,7 @@ def aot_configs(dtypes=("bf16", "fp16")) -> list:
                 for dtype in dtypes:
                     configs.append(AotConfig(direction, head_dim, rotary, rotate_v, dtype))
     seen = set()
-    for variant in TUNING_VARIANTS:
+    for variant in TUNING_VARIANTS if tuning_variants else ():
         for direction in ("fwd", "bwd"):
             for head_dim in (64, 128):
                 for rotary in (False, True):

@@ -385,8 +385,9 @@ def test_padding_the_token_count_changes_no_logit(model):
     assert padded_tokens.offsets[-1] == padded_tokens.num_tokens
 
 
-# fields_dot: the readout with the most ops; "target": target attention's scatter ops under dynamic shapes
-@pytest.mark.parametrize("readout", ["mean", "fields_dot", "target"])
+# "target": the fields_dot readout (the one with the most ops) plus target attention's scatter ops, under
+# dynamic shapes; a compile of fields_dot alone would add nothing to it (each compile costs ~a minute of CPU).
+@pytest.mark.parametrize("readout", ["mean", "target"])
 def test_compiled_model_matches_eager_on_cpu(readout):
     """torch.compile of the token-interaction stack (inductor on CPU, reference attention), padded to
     a few token counts as the GPU config pads them: the same logits and gradients as eager."""
