@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_data_real import criteo_line, random_criteo_lines
 
@@ -25,6 +26,8 @@ def inputs(tmp_path_factory) -> Path:
     (root / "header.csv").write_text(header + "\n" + criteo_line().replace("\t", ",") + "\n")
     (root / "garbage.ckpt").write_bytes(b"not a checkpoint")
     (root / "exists").mkdir()
+    (root / "misspelled.yaml").write_text("model:\n  net:\n    d_modle: 32\n")
+    (root / "python_tag.yaml").write_text(f"run_name: !!python/object/apply:os.system ['touch {root / 'executed'}']\n")
     prepared = subprocess.run(
         [sys.executable, "-m", "data.prepare", "criteo", "--input", str(root / "good.tsv"),
          "--out", str(root / "criteo"), "--table-size", "1000"],
@@ -63,6 +66,14 @@ CASES = {
     "data_dir that is a file": (TRAIN + ["--data.data_dir={root}/garbage.ckpt"], "data.data_dir={root}/garbage.ckpt: "),
     "runs_dir that is a file": (TRAIN + ["--runs_dir={root}/garbage.ckpt"], "garbage.ckpt is a file, not a folder"),
     "misspelled key": (TRAIN + ["--model.net.num_layerz=1"], "num_layerz=1 (python train.py --help lists every key)"),
+    "misspelled key in a config file": (
+        TRAIN + ["--config={root}/misspelled.yaml"], "Group 'model' does not accept option 'net.d_modle'"
+    ),
+    "a config with a python object tag": (  # rejected, not executed (test_a_python_object_tag_is_not_executed)
+        TRAIN + ["--config={root}/python_tag.yaml"], "could not determine a constructor for the tag"
+    ),
+    "heads that do not divide d_model": (TRAIN + ["--model.net.num_heads=3"], "d_model=32 is not divisible by num_heads=3"),
+    "features set by hand": (TRAIN + ["--model.schema.dense=[]"], "unrecognized arguments: --model.schema.dense=[]"),
     "unknown attention backend": (
         TRAIN + ["--attn=cuda"], "'auto', 'reference', 'fa2', 'flex', 'triton', 'tlx']. Got value: cuda"
     ),
@@ -79,6 +90,10 @@ CASES = {
         TRAIN + ["--sharding.sharding_type=diagonal"],
         "'table_wise', 'row_wise', 'column_wise', 'data_parallel']. Got value: diagonal",
     ),
+    **({} if torch.cuda.is_available() else {"the GPU config on a machine without one": (
+        TRAIN + ["--config", "configs/gpu.yaml"],
+        "trainer.accelerator is 'gpu' (configs/gpu.yaml sets it) but this machine has no CUDA GPU",
+    )}),
     "malformed line, --strict": (
         PREPARE + ["--input={root}/malformed.tsv", "--out={root}/out", "--strict"],
         "malformed line 6: column label value '2' is not 0 or 1",
@@ -157,3 +172,8 @@ def test_bad_input_exits_2_with_one_line_naming_the_problem(inputs, train_cases,
     assert last.startswith("error: ") and message.format(root=inputs) in last, last
     assert not runs.exists()  # no empty run folder
     assert not (inputs / "out").exists()
+
+
+def test_a_python_object_tag_is_not_executed(inputs, train_cases):
+    assert train_cases["a config with a python object tag"][0] == 2
+    assert not (inputs / "executed").exists()
