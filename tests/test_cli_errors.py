@@ -1,15 +1,14 @@
 """Bad input to the command lines (train.py, python -m data.prepare): each exits 2 with one line naming
 the problem, no traceback, and leaves no empty run folder behind."""
 
-import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.compare.run import run_train_mains
 from test_data_real import criteo_line, random_criteo_lines
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,54 +106,21 @@ CASES = {
 }
 
 
-# train.py's cases run one after another in one process, each through train.main with the process's stderr
-# (file descriptor 2, which every writer shares) sent to a file of its own: one import of torch and Lightning
-# instead of one per case. An exception out of main is printed as the interpreter would print it.
-_TRAIN_CASES_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, traceback
-    import train
-    results = {}
-    for name, argv, stderr_path in json.loads(sys.argv[1]):
-        sys.stderr.flush()
-        saved = os.dup(2)
-        with open(stderr_path, "w") as stderr:
-            os.dup2(stderr.fileno(), 2)
-            try:
-                train.main(argv)
-                code = 0
-            except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) else 1
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        results[name] = code
-    print(json.dumps(results))
-    """
-)
-
-
 @pytest.fixture(scope="module")
 def train_cases(inputs, tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
-    """{case: (exit code, stderr, its runs_dir)} of every train.py case."""
+    """{case: (exit code, stderr, its runs_dir)} of every train.py case, all run in one process (the
+    comparison's runner: each case through train.main with stdout and stderr of its own)."""
     root = tmp_path_factory.mktemp("train_cases")
-    jobs, runs = [], {}
+    argvs, runs = {}, {}
     for index, (name, (command, _)) in enumerate(CASES.items()):
         if command[1] != "train.py":
             continue
-        argv = [part.format(root=inputs) for part in command[2:]]
+        argvs[name] = [part.format(root=inputs) for part in command[2:]]
         runs[name] = root / f"case{index}" / "runs"
-        if not any(part.startswith("--runs_dir") for part in argv):
-            argv.append(f"--runs_dir={runs[name]}")
-        jobs.append((name, argv, str(root / f"case{index}.stderr")))
-    result = subprocess.run([sys.executable, "-c", _TRAIN_CASES_SCRIPT, json.dumps(jobs)], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    codes = json.loads(result.stdout.strip().splitlines()[-1])
-    return {name: (codes[name], Path(path).read_text(), runs[name]) for name, _, path in jobs}
+        if not any(part.startswith("--runs_dir") for part in argvs[name]):
+            argvs[name].append(f"--runs_dir={runs[name]}")
+    results = run_train_mains(list(argvs.values()), timeout=900)
+    return {name: (code, stderr, runs[name]) for name, (code, _, stderr) in zip(argvs, results)}
 
 
 @pytest.mark.parametrize("name", CASES)

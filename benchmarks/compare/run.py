@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -117,18 +118,61 @@ def config_differences(ours: dict, theirs: dict, ours_name: str, theirs_name: st
     ]
 
 
-def resolve_config(config_files: list[str], passthrough: list[str], backend: str, steps: int | None,
-                   out: Path) -> dict:
-    """One run's config, resolved and checked by train.py itself (`--dry_run`: it builds the model,
-    data module and trainer, then prints the config): bad keys or values end here, before anything runs."""
-    command = [sys.executable, str(REPO / "train.py"), *train_args(config_files, passthrough, backend, 0, steps, out,
-                                                                     backend), "--dry_run=true"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        reason = next((line for line in reversed(lines) if "error:" in line), lines[-1] if lines else "no output")
-        raise CompareError(f"train.py rejects the config or extra arguments: {reason.strip()}")
-    return yaml.safe_load(result.stdout)
+# Several train.py command lines in one process, one after another through train.main, each with file
+# descriptors 1 and 2 sent to files of its own (every writer shares them, as a process of its own would
+# give them): one import of torch and Lightning for all of them, the ~8 s of every train.py start.
+_MAINS_SCRIPT = """
+import json, os, sys, traceback
+import train
+codes = []
+for argv, stdout_path, stderr_path in json.loads(sys.argv[1]):
+    sys.stdout.flush(); sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+        os.dup2(stdout.fileno(), 1); os.dup2(stderr.fileno(), 2)
+        try:
+            train.main(argv)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        os.close(saved[0]); os.close(saved[1])
+    codes.append(code)
+print(json.dumps(codes))
+"""
+
+
+def run_train_mains(argvs: list[list[str]], timeout: float | None = None) -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of `python train.py ARGV` for each ARGV, all run in one process."""
+    with tempfile.TemporaryDirectory() as folder:
+        jobs = [(argv, f"{folder}/{i}.out", f"{folder}/{i}.err") for i, argv in enumerate(argvs)]
+        result = subprocess.run([sys.executable, "-c", _MAINS_SCRIPT, json.dumps(jobs)], cwd=REPO,
+                                capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"train.py's command lines did not run: {result.stderr.strip()[-3000:]}")
+        codes = json.loads(result.stdout.strip().splitlines()[-1])
+        return [(code, Path(out).read_text(), Path(err).read_text()) for code, (_, out, err) in zip(codes, jobs)]
+
+
+def resolve_configs(groups: list[tuple[list[str], str]], passthrough: list[str], steps: int | None,
+                    out: Path) -> list[dict]:
+    """Each group's run config, for groups of (config files, backend), resolved and checked by train.py
+    itself (`--dry_run`: it builds the model, data module and trainer, then prints the config): bad keys
+    or values end here, before anything runs; the first group's error is the one reported."""
+    argvs = [[*train_args(config_files, passthrough, backend, 0, steps, out, backend), "--dry_run=true"]
+             for config_files, backend in groups]
+    resolved = []
+    for code, stdout, stderr in run_train_mains(argvs):
+        if code != 0:
+            lines = [line for line in stderr.splitlines() if line.strip()]
+            reason = next((line for line in reversed(lines) if "error:" in line), lines[-1] if lines else "no output")
+            raise CompareError(f"train.py rejects the config or extra arguments: {reason.strip()}")
+        resolved.append(yaml.safe_load(stdout))
+    return resolved
 
 
 def training_device(accelerator) -> torch.device:
@@ -214,11 +258,10 @@ def parse_compare_args(argv: list[str], prog: str) -> Settings:
         if reserved:
             parser.error(f"--variant {label}: {reserved[0]}: the comparison sets it itself")
         labels[label], variant_configs[label] = backend, files
-    config = resolve_config(args.config, passthrough, args.attn[0], args.steps, out)
-    variant_resolved = {
-        label: comparable_config(resolve_config([*args.config, *files], passthrough, labels[label], args.steps, out))
-        for label, files in variant_configs.items()
-    }
+    config, *variants = resolve_configs(
+        [(args.config, args.attn[0]), *(([*args.config, *files], labels[label]) for label, files in variant_configs.items())],
+        passthrough, args.steps, out)
+    variant_resolved = {label: comparable_config(resolved) for label, resolved in zip(variant_configs, variants)}
     steps = args.steps if args.steps is not None else config["trainer"]["max_steps"]
     if steps is None or steps < 1:
         raise CompareError(f"the config sets no trainer.max_steps ({steps}); pass --steps")
