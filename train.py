@@ -409,6 +409,8 @@ class RankingCLI(LightningCLI):
             config.model.net.attn_backend = config.attn
         if config.trainer.max_steps == 0:
             raise ValueError("trainer.max_steps=0 trains nothing (-1: no step limit, train max_epochs)")
+        if problems := trainer_setting_problems(config.trainer):
+            raise ValueError("; ".join(problems))
         self.resume_plan = None
         if config.ckpt_path:
             self.resume_plan = plan = plan_resume(config.ckpt_path, Path(config.runs_dir) / config.run_name)
@@ -463,6 +465,28 @@ class RankingCLI(LightningCLI):
         # The data module shards rows by rank itself (ShardedSampler), without repeating any.
         return super().instantiate_trainer(logger=loggers, callbacks=callbacks, use_distributed_sampler=False,
                                            **kwargs)
+
+
+# Lightning's precision settings the model trains under: the "-true" ones other than fp32 cast the weights
+# but not the batch's dense features, and the first step fails on mixed dtypes.
+TRAINABLE_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16", "16-mixed", "16")
+
+
+def trainer_setting_problems(trainer) -> list[str]:
+    """What in the trainer's settings (LightningCLI's namespace) this training path cannot honour."""
+    problems = []
+    if trainer.precision is not None and str(trainer.precision) not in TRAINABLE_PRECISIONS:
+        problems.append(f"trainer.precision={trainer.precision} is not one this model trains under "
+                        f"({', '.join(TRAINABLE_PRECISIONS[::2])})")
+    if (trainer.accumulate_grad_batches or 1) != 1:
+        problems.append(f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported: the logged "
+                        f"loss would be divided by it, and the step metrics and val_check_interval would count "
+                        f"batches, not optimizer steps; raise data.batch_size instead")
+    if trainer.log_every_n_steps is not None and trainer.log_every_n_steps < 1:
+        problems.append(f"trainer.log_every_n_steps={trainer.log_every_n_steps} must be >= 1")
+    if trainer.val_check_interval is not None and trainer.val_check_interval <= 0:
+        problems.append(f"trainer.val_check_interval={trainer.val_check_interval} must be > 0")
+    return problems
 
 
 def check_runs_dir(runs_dir: Path) -> None:
@@ -542,12 +566,23 @@ def main(argv: list[str] | None = None) -> None:
     except SIGTERMException:
         print(f"stopped by SIGTERM at step {trainer.global_step}; resume with --ckpt_path last", file=sys.stderr)
         raise SystemExit(128 + signal.SIGTERM) from None
+    except SystemExit:  # Lightning's own exit after a Ctrl-C (LastCheckpoint saved the step it stopped at)
+        if not trainer.interrupted:
+            raise
+        print(f"stopped by Ctrl-C at step {trainer.global_step}; resume with --ckpt_path last", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
+    if trainer.fast_dev_run:  # Lightning's smoke run: no loggers, no checkpoints, no run folder to report
+        print(f"fast_dev_run: {trainer.global_step} step(s) trained and validated; nothing was written")
+        return
+    # Read now: test scoring below restores the callbacks' state from the best checkpoint, which may predate
+    # the newest last.ckpt.
+    summary = run_summary(trainer)
     if cli.config.baseline:
         report_baseline(trainer, task, datamodule, Path(trainer.loggers[0].log_dir))
     if datamodule.has_test_split:
         report_test(trainer, task, datamodule, Path(trainer.loggers[0].log_dir))
     if trainer.is_global_zero:
-        report_run(trainer)
+        print(summary)
 
 
 def check_training_memory(net: torch.nn.Module, batch_size: int, trainer: L.Trainer, config) -> None:
@@ -579,15 +614,15 @@ def best_checkpoint(trainer: L.Trainer) -> BestCheckpoint:
     return next(c for c in trainer.checkpoint_callbacks if isinstance(c, BestCheckpoint))
 
 
-def report_run(trainer: L.Trainer) -> None:
+def run_summary(trainer: L.Trainer) -> str:
     """Where the run went: its folder, metrics, checkpoints and how to look at it."""
     run_dir = Path(trainer.loggers[0].log_dir)
     best = best_checkpoint(trainer)
     last = next((c.best_model_path for c in trainer.checkpoint_callbacks if isinstance(c, LastCheckpoint)), "")
-    print(f"run folder: {run_dir}\n  metrics: {run_dir / 'metrics.csv'}\n"
-          f"  best checkpoint ({best.description}): {best.best_model_path or 'none (no validation ran)'}\n"
-          f"  last checkpoint: {last or 'none'} (resume: --ckpt_path last)\n"
-          f"  tensorboard --logdir {run_dir.parent}")
+    return (f"run folder: {run_dir}\n  metrics: {run_dir / 'metrics.csv'}\n"
+            f"  best checkpoint ({best.description}): {best.best_model_path or 'none (no validation ran)'}\n"
+            f"  last checkpoint: {last or 'none'} (resume: --ckpt_path last)\n"
+            f"  tensorboard --logdir {run_dir.parent}")
 
 
 def report_test(trainer: L.Trainer, task: RankingTask, datamodule: CTRDataModule, run_dir: Path) -> None:

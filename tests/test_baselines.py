@@ -124,6 +124,8 @@ def test_a_protocol_with_a_test_split_is_scored_by_the_best_validation_checkpoin
     rows = read_metrics(run_folder)
     assert [float(row["test/auc"]) for row in rows if row.get("test/auc")] == [pytest.approx(scores["test/auc"])]
     assert 0 < scores["test/logloss"] and "test AUC" in result.stdout
+    # The summary after test scoring (which restores the callbacks' state of that checkpoint) names the newest.
+    assert f"last checkpoint: {run_folder / 'checkpoints' / 'last.ckpt'} (resume" in result.stdout, result.stdout
     # The kept checkpoint is the best validation by checkpoint.best_metric: its file name holds that value.
     metric = "auc" if "--checkpoint.best_metric=auc" in args else "ne"
     validations = [float(row[f"val/{metric}"]) for row in rows if row.get(f"val/{metric}")]

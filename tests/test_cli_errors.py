@@ -71,6 +71,17 @@ CASES = {
     "a config with a python object tag": (  # rejected, not executed (test_a_python_object_tag_is_not_executed)
         TRAIN + ["--config={root}/python_tag.yaml"], "could not determine a constructor for the tag"
     ),
+    "precision the model cannot train under": (
+        TRAIN + ["--trainer.precision=16-true"], "trainer.precision=16-true is not one this model trains under"
+    ),
+    "gradient accumulation": (
+        TRAIN + ["--trainer.accumulate_grad_batches=4"],
+        "trainer.accumulate_grad_batches=4 is not supported: the logged loss would be divided by it",
+    ),
+    "zero logging and validation intervals": (
+        TRAIN + ["--trainer.log_every_n_steps=0", "--trainer.val_check_interval=0"],
+        "trainer.log_every_n_steps=0 must be >= 1; trainer.val_check_interval=0 must be > 0",
+    ),
     "heads that do not divide d_model": (TRAIN + ["--model.net.num_heads=3"], "d_model=32 is not divisible by num_heads=3"),
     "features set by hand": (TRAIN + ["--model.schema.dense=[]"], "unrecognized arguments: --model.schema.dense=[]"),
     "unknown attention backend": (

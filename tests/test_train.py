@@ -107,6 +107,7 @@ def kill_switch(**init_args) -> str:
         pytest.param(kill_switch(step=40, during_validation=True), -signal.SIGKILL, 35,
                      id="kill -9 during a validation"),
         pytest.param(kill_switch(step=13, signal_name="SIGTERM"), 128 + signal.SIGTERM, 13, id="SIGTERM"),
+        pytest.param(kill_switch(step=13, signal_name="SIGINT"), 128 + signal.SIGINT, 13, id="Ctrl-C"),
         pytest.param("--trainer.max_steps=23", 0, 23, id="a finished run continued"),
     ],
 )
@@ -115,8 +116,8 @@ def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(
 ):
     """Killed at any point (or finished early), then resumed with --ckpt_path last: the losses and
     validation metrics equal the uninterrupted run's bit for bit (CPU, same seed: the same batches in
-    the same order reach the same weights), and metrics.csv holds each step once. SIGTERM and the end
-    of a fit save a checkpoint at the step they stopped."""
+    the same order reach the same weights), and metrics.csv holds each step once. SIGTERM, Ctrl-C and
+    the end of a fit save a checkpoint at the step they stopped."""
     cache, uninterrupted = uninterrupted_run
     expected = read_metrics(uninterrupted)
     runs = tmp_path / "runs"
@@ -125,8 +126,9 @@ def test_killed_run_resumes_with_the_same_losses_and_no_lost_or_repeated_rows(
     assert first.returncode == returncode, first.stderr[-3000:]
     run_folder = runs / "tiny" / "version_0"
     assert torch.load(run_folder / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == checkpoint_step
-    if "SIGTERM" in first_run:
-        assert first.stderr.strip().splitlines()[-1] == "stopped by SIGTERM at step 13; resume with --ckpt_path last"
+    for signal_name, stop in (("SIGTERM", "SIGTERM"), ("SIGINT", "Ctrl-C")):
+        if signal_name in first_run:
+            assert first.stderr.strip().splitlines()[-1] == f"stopped by {stop} at step 13; resume with --ckpt_path last"
 
     resumed = run_train(*common, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -321,6 +323,15 @@ def test_help_lists_every_config_key():
     assert len(entries) > 20
     undescribed = [key for key, text in entries if " ".join(text.split()).startswith("(type:")]
     assert not undescribed, undescribed
+
+
+def test_fast_dev_run_trains_a_step_and_writes_nothing(tmp_path):
+    """Lightning's smoke run has no loggers or checkpoints: the run report after fit must not look for them."""
+    result = run_train("--config", "configs/tiny.yaml", "--trainer.fast_dev_run=true", f"--runs_dir={tmp_path / 'runs'}",
+                       f"--data.data_dir={tmp_path / 'cache'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "fast_dev_run: 1 step(s) trained and validated; nothing was written"
+    assert not (tmp_path / "runs").exists()
 
 
 def test_checkpoints_load_with_weights_only(tiny_run):

@@ -226,12 +226,14 @@ class LastCheckpoint(ModelCheckpoint):
         self.save_now(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
+        # A scheduler's SIGTERM, or Ctrl-C (SIGINT, which Lightning turns into an exit after this hook).
+        if not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) or trainer.state.fn != "fit":
             return
         if trainer.validating or self.validation_follows(trainer):
             # A checkpoint before a validation would resume past it and skip it; one during it would
             # lose the metrics it has gathered. The last one saved stays.
-            rank_zero_only(print)(f"SIGTERM before the step-{trainer.global_step} validation finished: "
+            stop = "SIGTERM" if isinstance(exception, SIGTERMException) else "Ctrl-C"
+            rank_zero_only(print)(f"{stop} before the step-{trainer.global_step} validation finished: "
                                   f"{self.dirpath}/last.ckpt is from step {self._last_global_step_saved}",
                                   file=sys.stderr)
             return
