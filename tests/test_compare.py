@@ -248,7 +248,7 @@ def test_variant_runs_its_backend_with_more_config_files_and_is_judged_like_one(
     assert "- variant reference_sharded: reference with configs/sharded.yaml" in (out / "compare.md").read_text()
 
 
-def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path):
+def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path, capsys):
     """model.arch as a --variant, on a protocol with a test split (the MovieLens-1M fixture): compare.md
     and compare.json give each group's test AUC and log loss, mean and std over the seeds."""
     (tmp_path / "cache" / "raw").mkdir(parents=True)
@@ -292,6 +292,13 @@ def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path):
     markdown = (tmp_path / "quality.md").read_text()
     assert "| lr |" in markdown and "Not run: too slow" in markdown
     assert f"0.8699 ({lr_auc['mean'] - 0.8699:+.4f})" in markdown  # next to RecBole's LR on this protocol
+
+    # Rerun with the variant changed under its label: refused before settings.json (which `report` reads) is rewritten.
+    saved = (out / "settings.json").read_bytes()
+    changed = [*args[:6], "model.baseline.embedding_dim=8", *args[6:]]
+    code, _, err = call_main(changed, capsys)
+    assert code == 2 and "model.baseline.embedding_dim = 8 in --variant lr here" in err, err
+    assert (out / "settings.json").read_bytes() == saved
 
 
 def test_variant_key_value_overrides_follow_the_passthrough_keys():

@@ -200,6 +200,14 @@ def check_out_folder(settings: Settings) -> None:
     )
     if previous["device"] != settings.device:
         differences.append(f"device = {settings.device!r} here, {previous['device']!r} in {saved}")
+    # A variant group kept under its label must be the same group (one may be dropped or added).
+    for label, resolved in settings.variant_resolved.items():
+        if label in previous.get("variant_resolved", {}):
+            if previous["labels"].get(label) != settings.labels[label]:
+                differences.append(f"--variant {label}'s backend = {settings.labels[label]!r} here, "
+                                   f"{previous['labels'].get(label)!r} in {saved}")
+            differences += config_differences(resolved, previous["variant_resolved"][label],
+                                              f"--variant {label} here", f"{saved}")
     if differences:
         shown = "; ".join(differences[:8]) + (f"; and {len(differences) - 8} more" if len(differences) > 8 else "")
         raise CompareError(
