@@ -62,7 +62,7 @@ import yaml
 
 from benchmarks.compare.report import Run, build_report, load_comparison
 from benchmarks.compare.run import (
-    COMPARABLE_BACKENDS, CompareError, Settings, check_out_folder, parse_compare_args, run_name, train_runs,
+    COMPARABLE_BACKENDS, REPO, CompareError, Settings, check_out_folder, parse_compare_args, run_name, train_runs,
 )
 from models.baselines import ARCHS, BLOCK_ATTENTION
 from training.callbacks import BEST_METRIC_MODE, best_validation
@@ -78,6 +78,23 @@ class Protocol:
 
     def __str__(self) -> str:
         return f"{self.description} ({' '.join(self.configs)}{''.join(' ' + a for a in self.args)})"
+
+    def data_differences(self, config: dict) -> list[str]:
+        """How a run's flattened resolved config trained other data than this protocol's: another dataset or
+        split, or history where the protocol has none (or none where it has)."""
+        chosen = {}
+        for path in self.configs:
+            data = (yaml.safe_load((REPO / path).read_text()) or {}).get("data") or {}
+            chosen.update({f"data.{key}": value for key, value in data.items()})
+        chosen.update({key.removeprefix("--"): yaml.safe_load(value)
+                       for key, _, value in (arg.partition("=") for arg in self.args)})
+        differences = [f"{key} = {config.get(key)!r}, not {chosen[key]!r}" for key in ("data.dataset", "data.protocol")
+                       if config.get(key) != chosen[key]]
+        if "data.max_history_len" in chosen and (config.get("data.max_history_len", 0) > 0) != (
+                chosen["data.max_history_len"] > 0):
+            differences.append(f"data.max_history_len = {config.get('data.max_history_len')!r}, where this protocol "
+                               f"{'has' if chosen['data.max_history_len'] > 0 else 'has no'} history")
+        return differences
 
 
 # The protocols of issue 23; the first two are RecBole's, the last two ours (the same time split and
@@ -290,12 +307,17 @@ def tune(protocol_name: str, attn: str, models: list[str], grid: dict[str, tuple
 # --------------------------------------------------------------------------------------------- report
 
 
-def protocol_entry(folder: Path) -> dict:
-    """A protocol's models and how they ran, from a comparison folder or a tune folder (its final/
-    comparison, with each model's chosen grid point and the tuning's grid and rule)."""
+def protocol_entry(folder: Path, name: str) -> dict:
+    """Protocol `name`'s models and how they ran, from a comparison folder or a tune folder (its final/
+    comparison, with each model's chosen grid point and the tuning's grid and rule); refused when a group
+    trained other data than the protocol's."""
     tuning_path = folder / "tuning.json"
     tuning = json.loads(tuning_path.read_text()) if tuning_path.exists() else None
     comparison = load_comparison(folder / "final" if tuning else folder)
+    for label in comparison.settings["labels"]:
+        if differences := PROTOCOLS[name].data_differences(resolved_config(comparison.settings, label)):
+            raise CompareError(f"--protocol {name}={folder}: group {label!r} trained other data than {name}'s "
+                               f"({'; '.join(differences)})")
     report = build_report(comparison)
     models = {}
     for label, metrics in report["test_metrics"].items():
@@ -366,7 +388,7 @@ def earlier_entry(report: Path, name: str) -> dict:
 def build(folders: dict[str, Path], not_run: dict[str, str]) -> dict:
     """folders: per protocol, a tune or comparison folder, or an earlier report's .json file."""
     protocols = {name: (earlier_entry(folders[name], name) if folders[name].suffix == ".json"
-                        else protocol_entry(folders[name])) if name in folders
+                        else protocol_entry(folders[name], name)) if name in folders
                  else {"models": {}, "not_run": not_run.get(name, "no comparison folder was given")}
                  for name in PROTOCOLS}  # fmt: skip
     return {

@@ -292,6 +292,11 @@ def test_architectures_side_by_side_report_the_test_split_over_seeds(tmp_path, c
     markdown = (tmp_path / "quality.md").read_text()
     assert "| lr |" in markdown and "Not run: too slow" in markdown
     assert f"0.8699 ({lr_auc['mean'] - 0.8699:+.4f})" in markdown  # next to RecBole's LR on this protocol
+    # The same folder given as another protocol's (another dataset, or history) is refused, not reported as it.
+    for protocol, difference in (("recbole_ml100k_context", "data.dataset = 'movielens1m', not 'movielens100k'"),
+                                 ("time_split_history", "data.protocol = 'recbole_context', not 'time_split_history'")):
+        assert quality_main(["--protocol", f"{protocol}={out}", "--out", str(tmp_path / "wrong")]) == 2
+        assert f"trained other data than {protocol}'s ({difference}" in capsys.readouterr().err
 
     # Rerun with the variant changed under its label: refused before settings.json (which `report` reads) is rewritten.
     saved = (out / "settings.json").read_bytes()
