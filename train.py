@@ -37,7 +37,7 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ProgressBar, Timer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import Precision
@@ -418,6 +418,13 @@ class RankingCLI(LightningCLI):
             if 0 < (config.trainer.max_steps or -1) <= plan.step:
                 raise ValueError(f"--ckpt_path {config.ckpt_path} is at step {plan.step} and trainer.max_steps="
                                  f"{config.trainer.max_steps}: nothing is left to train; raise trainer.max_steps")
+            if config.trainer.max_time is not None:  # Lightning's Timer goes on from the checkpoint's training time
+                timer = Timer(duration=config.trainer.max_time)
+                timer.load_state_dict((plan.metadata.get("callbacks") or {}).get(timer.state_key) or {})
+                if timer.time_remaining() <= 0:
+                    raise ValueError(f"--ckpt_path {config.ckpt_path} has trained {timer.time_elapsed():.0f} s and "
+                                     f"trainer.max_time={config.trainer.max_time}: nothing is left to train; raise "
+                                     f"trainer.max_time")
             if plan.run_folder is not None:  # the run keeps its own name and runs folder, whatever the flags say
                 runs_dir = plan.run_folder.parent.parent
                 if Path(config.runs_dir).resolve() != runs_dir:

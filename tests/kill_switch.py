@@ -13,6 +13,9 @@ class KillSwitch(Callback):
 
     def __init__(self, step: int, during_validation: bool = False, signal_name: str = "SIGKILL"):
         self.step, self.during_validation, self.signal = step, during_validation, getattr(signal, signal_name)
+        if self.signal == signal.SIGINT:
+            # A process started under pytest-xdist inherits SIGINT ignored; a terminal's Ctrl-C meets Python's handler.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if not self.during_validation and trainer.global_step == self.step:
