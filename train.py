@@ -338,8 +338,11 @@ class RankingTask(L.LightningModule):
         if self.resumed_schedule is not None and self.global_rank == 0:
             # The schedule's position is restored, its shape is this run's: the rate jumps where they differ.
             step, saved_steps, saved_optim = self.resumed_schedule
-            known = {field.name for field in fields(OptimConfig)}
-            saved_optim = OptimConfig(**{k: v for k, v in saved_optim.items() if k in known}) if saved_optim else optim
+            if isinstance(saved_optim, dict):  # as a checkpoint of train.py holds it
+                known = {field.name for field in fields(OptimConfig)}
+                saved_optim = OptimConfig(**{k: v for k, v in saved_optim.items() if k in known})
+            elif not isinstance(saved_optim, OptimConfig):
+                saved_optim = optim
             before = saved_optim.lr * saved_optim.lr_factor(step, saved_steps)
             now = optim.lr * optim.lr_factor(step, total_steps)
             if not math.isclose(before, now, rel_tol=1e-6):
@@ -491,7 +494,7 @@ def trainer_setting_problems(trainer) -> list[str]:
                         f"batches, not optimizer steps; raise data.batch_size instead")
     if trainer.log_every_n_steps is not None and trainer.log_every_n_steps < 1:
         problems.append(f"trainer.log_every_n_steps={trainer.log_every_n_steps} must be >= 1")
-    if trainer.val_check_interval is not None and trainer.val_check_interval <= 0:
+    if isinstance(trainer.val_check_interval, (int, float)) and trainer.val_check_interval <= 0:
         problems.append(f"trainer.val_check_interval={trainer.val_check_interval} must be > 0")
     return problems
 
